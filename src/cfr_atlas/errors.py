@@ -1,0 +1,76 @@
+"""Typed exceptions for every layer of cfr-atlas.
+
+All errors derive from `AtlasError`, so a caller (the CLI, the server) can catch one type and
+turn it into a one-line message or a 4xx response. Messages carry the offending numbers.
+This module holds no logic beyond the class hierarchy and a few structured fields.
+"""
+
+from __future__ import annotations
+
+
+class AtlasError(Exception):
+    """Root of every error cfr-atlas raises on purpose."""
+
+
+class ConfigError(AtlasError, ValueError):
+    """A configuration field is missing, of the wrong type, or out of range."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class DimensionError(AtlasError, ValueError):
+    """An array has the wrong shape or dtype for the call."""
+
+
+class CapacityError(AtlasError):
+    """A request does not fit a hard size limit (scratch, context, pool)."""
+
+
+class PageError(AtlasError):
+    """A page key or page range is invalid for the request."""
+
+
+class CorruptPageError(PageError):
+    """A stored page failed its checksum, is truncated, or belongs to another sequence/model."""
+
+
+class RegeneratorError(AtlasError):
+    """A KvRegenerator raised while writing a page; `key` names the page."""
+
+    def __init__(self, key, message: str):
+        super().__init__(f"regenerating {key}: {message}")
+        self.key = key
+
+
+class NumericError(AtlasError, ValueError):
+    """Non-finite values where finite ones are required; `key` names the page if any."""
+
+    def __init__(self, message: str, key=None):
+        super().__init__(message if key is None else f"{key}: {message}")
+        self.key = key
+
+
+class ModelFormatError(AtlasError):
+    """A model file is missing, not GGUF, truncated, or lacks required metadata."""
+
+
+class UnsupportedQuantError(ModelFormatError):
+    """A tensor uses a quantization type cfr-atlas does not implement."""
+
+    def __init__(self, qtype: str, tensor: str):
+        super().__init__(
+            f"tensor {tensor!r} uses quant type {qtype}, which cfr-atlas does not support "
+            "(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)"
+        )
+        self.qtype = qtype
+        self.tensor = tensor
+
+
+class UnsupportedArchitectureError(ModelFormatError):
+    """The GGUF's general.architecture is not a family cfr-atlas implements."""
+
+
+class KvPoolExhausted(CapacityError):
+    """The paged block pool has no free block; raised before any state changes."""
