@@ -1,0 +1,434 @@
+"""`Atlas`: exact attention over a virtual K/V address space.
+
+For each request the runtime walks the causal pages of one or more K/V heads in a fixed order
+(head, then page). A page resident in the hot cache is folded from the slab; any other page is
+written into a reusable scratch slot by the caller's `KvRegenerator`, checked, folded, and then
+admitted or dropped as the policy decides. Every page goes through the same fold kernel in the
+same order, so the policy and the budget change cost and residency, never the result.
+
+Errors are transactional: if a regenerator raises or returns non-finite rows, the hot cache and
+its accounting are restored exactly (see `HotCache`), the scratch rows are wiped, and a typed
+error carrying the page key is raised. This module does not compute K/V; backends do.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from cfr_atlas.atlas import fold
+from cfr_atlas.atlas.config import AtlasConfig
+from cfr_atlas.atlas.hot_cache import HotCache
+from cfr_atlas.atlas.pages import PageKey, first_page, page_count
+from cfr_atlas.atlas.policy import KeepAll
+from cfr_atlas.atlas.storage import StorageDtype, round_rows
+from cfr_atlas.atlas.telemetry import Counters, Telemetry
+from cfr_atlas.errors import AtlasError, DimensionError, NumericError, PageError, RegeneratorError
+
+
+class KvRegenerator(Protocol):
+    """Anything that can write the exact K and V rows of a page."""
+
+    def regenerate_page(self, key: PageKey, tokens: range, k_out: np.ndarray,
+                        v_out: np.ndarray) -> None:
+        """Write K and V rows for key.layer / key.kv_head, tokens[i] -> row i.
+
+        k_out, v_out: (len(tokens), head_dim) float32 (rounded by the runtime to the storage
+        dtype); both must be fully overwritten (rows left untouched are detected as NaN).
+        """
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """One attention call for one K/V head.
+
+    query: (head_dim,), (group, head_dim) for the query heads sharing this K/V head, or
+    (tokens, group, head_dim) for a chunk at positions context_tokens - tokens ... - 1.
+    alibi_slope and sink: a scalar or one value per query head of the group.
+    """
+
+    layer: int
+    kv_head: int
+    query: np.ndarray
+    context_tokens: int
+    scale: float | None = None
+    softcap: float | None = None
+    alibi_slope: float | np.ndarray | None = None
+    window: int | None = None
+    sink: float | np.ndarray | None = None
+
+
+def _check_index(name: str, value, limit: int = 1 << 40) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 0 <= value < limit:
+        raise PageError(f"{name} must be an integer in [0, {limit}), got {value!r}")
+    return int(value)
+
+
+def _per_head(name: str, value, n_head: int, n_grp: int, fill: float) -> np.ndarray:
+    """Broadcast a scalar / (G,) / (H, G) option to an (H, G) float32 array."""
+    if value is None:
+        return np.full((n_head, n_grp), fill, dtype=np.float32)
+    arr = np.asarray(value, dtype=np.float32)
+    try:
+        arr = np.broadcast_to(arr, (n_head, n_grp)).astype(np.float32)
+    except ValueError:
+        raise DimensionError(f"{name} of shape {arr.shape} does not fit "
+                             f"{n_head} K/V heads x {n_grp} query heads") from None
+    if not np.isfinite(arr).all():
+        raise NumericError(f"{name} must be finite")
+    return arr
+
+
+class _Batch:
+    """Pages waiting for one fold call: parallel lists of small arrays, concatenated at flush."""
+
+    FIELDS = ("src", "slot", "start", "len", "head", "part")
+
+    def __init__(self):
+        self.parts = {f: [] for f in self.FIELDS}
+        self.n = 0
+
+    def add(self, **cols) -> None:
+        for f in self.FIELDS:
+            self.parts[f].append(np.atleast_1d(np.asarray(cols[f], dtype=np.int64)))
+        self.n += len(self.parts["src"][-1])
+
+    def take(self) -> dict[str, np.ndarray]:
+        cols = {f: np.concatenate(v) for f, v in self.parts.items()}
+        self.parts = {f: [] for f in self.FIELDS}
+        self.n = 0
+        return cols
+
+
+class Atlas:
+    """Virtual K/V for one sequence: a hot cache, scratch, and the fold (see module docstring)."""
+
+    def __init__(self, config: AtlasConfig):
+        if not isinstance(config, AtlasConfig):
+            raise TypeError(f"expected AtlasConfig, got {type(config).__name__}")
+        self.config = config
+        self.cache = HotCache(config)
+        dt = config.dtype
+        shape = (config.scratch_pages, config.page_tokens, config.head_dim)
+        self._scratch_k = np.zeros(shape, dtype=dt.array_dtype)
+        self._scratch_v = np.zeros(shape, dtype=dt.array_dtype)
+        # Regenerators write float32; 16-bit storage is rounded from these staging rows.
+        stage = (config.page_tokens, config.head_dim)
+        self._stage_k = np.zeros(stage, dtype=np.float32) if dt is not StorageDtype.FLOAT32 else None
+        self._stage_v = np.zeros(stage, dtype=np.float32) if dt is not StorageDtype.FLOAT32 else None
+        self._tick = 0
+        self._total = Counters()
+        self._last = Counters()
+        self._peak = 0
+
+    # --- public API ------------------------------------------------------------------------
+    def attend(self, backend: KvRegenerator, request: AttentionRequest, policy=None,
+               out: np.ndarray | None = None) -> np.ndarray:
+        """Exact attention for one K/V head; returns an array shaped like the query (float32)."""
+        q = request.query
+        if not isinstance(q, np.ndarray) or q.ndim not in (1, 2, 3):
+            raise DimensionError("query must be a NumPy array of shape (head_dim,), "
+                                 "(group, head_dim) or (tokens, group, head_dim), got "
+                                 f"{getattr(q, 'shape', type(q).__name__)}")
+        D = q.shape[-1]
+        q4 = q.reshape((q.shape[0] if q.ndim == 3 else 1), 1, -1 if q.ndim > 1 else 1, D)
+        n_grp = q4.shape[2]
+        alibi = None if request.alibi_slope is None else np.broadcast_to(
+            np.asarray(request.alibi_slope, dtype=np.float32), (n_grp,))[None]
+        sinks = None if request.sink is None else np.broadcast_to(
+            np.asarray(request.sink, dtype=np.float32), (n_grp,))[None]
+        if out is not None:
+            self._check_out(out, q.shape)
+        result = self.attend_heads(backend, request.layer, [request.kv_head], q4,
+                                   request.context_tokens, policy, scale=request.scale,
+                                   softcap=request.softcap, alibi=alibi, window=request.window,
+                                   sinks=sinks)
+        result = result.reshape(q.shape)
+        if out is None:
+            return result
+        out[...] = result
+        return out
+
+    def attend_heads(self, backend: KvRegenerator, layer: int, kv_heads, query: np.ndarray,
+                     context_tokens: int, policy=None, *, scale=None, softcap=None, alibi=None,
+                     window=None, sinks=None, out: np.ndarray | None = None) -> np.ndarray:
+        """Exact attention for several K/V heads of one layer in one fold.
+
+        query: (T, H, G, D) f32 for the H heads in `kv_heads`; alibi, sinks: (H, G) or None.
+        Returns (T, H, G, D) f32. Bitwise equal to H separate `attend` calls.
+        """
+        cfg = self.config
+        layer = _check_index("layer", layer, 1 << 20)
+        heads = [_check_index("kv_head", h, 1 << 16) for h in kv_heads]
+        q = self._check_query(query, len(heads))
+        n_tok, n_head, n_grp, _ = q.shape
+        context = _check_index("context_tokens", context_tokens)
+        if context < n_tok:
+            raise PageError(f"context_tokens {context} is smaller than the {n_tok} query tokens")
+        win = self._check_window(window)
+        scale = cfg.query_scale() if scale is None else scale
+        if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
+            raise NumericError(f"scale must be a finite positive number, got {scale!r}")
+        cap = 0.0 if softcap is None else float(softcap)
+        if not (math.isfinite(cap) and cap >= 0):
+            raise NumericError(f"softcap must be finite and positive, got {softcap!r}")
+        alibi = _per_head("alibi_slope", alibi, n_head, n_grp, 0.0)
+        sinks = _per_head("sink", sinks, n_head, n_grp, np.nan) if sinks is not None else \
+            np.full((n_head, n_grp), np.nan, dtype=np.float32)
+        if out is not None:
+            self._check_out(out, q.shape)
+        policy = KeepAll() if policy is None else policy
+
+        self._tick += 1
+        self._last = Counters(calls=1)
+        self.cache.begin()
+        try:
+            result = self._fold_all(backend, layer, heads, q, context, policy, float(scale), cap,
+                                    alibi, win, sinks, out)
+        except BaseException:
+            self.cache.rollback()
+            self._wipe_scratch()
+            raise
+        self.cache.commit()
+        if cfg.wipe_scratch_after_use and self._last.regenerations:
+            self._wipe_scratch()
+        self._total.add(self._last)
+        return result
+
+    def write_rows(self, layer: int, start_token: int, k_rows: np.ndarray, v_rows: np.ndarray,
+                   policy=None, kv_heads=None) -> tuple[np.ndarray, np.ndarray]:
+        """Store freshly computed rows (T, H, D) f32 of tokens start..start+T-1 as the policy and
+        budget allow; returns the rows rounded to the storage dtype (what any later read sees).
+
+        A page becomes resident only from its first token (a page whose earlier rows are not
+        resident is left to regeneration); a resident partial page grows in place.
+        """
+        cfg = self.config
+        layer = _check_index("layer", layer, 1 << 20)
+        start = _check_index("start_token", start_token)
+        for name, rows in (("k_rows", k_rows), ("v_rows", v_rows)):
+            if not isinstance(rows, np.ndarray) or rows.ndim != 3 or rows.shape[2] != cfg.head_dim \
+                    or rows.shape != k_rows.shape:
+                raise DimensionError(f"{name} must be (tokens, heads, {cfg.head_dim}) like k_rows, "
+                                     f"got {getattr(rows, 'shape', None)}")
+            if not np.isfinite(rows).all():
+                raise NumericError(f"{name} for tokens from {start} are not finite")
+        heads = list(range(k_rows.shape[1])) if kv_heads is None else [
+            _check_index("kv_head", h, 1 << 16) for h in kv_heads]
+        k_st, v_st = round_rows(k_rows, cfg.dtype), round_rows(v_rows, cfg.dtype)
+        policy = KeepAll() if policy is None else policy
+        context = start + k_rows.shape[0]
+        self._tick += 1
+        self._last = Counters(calls=1)
+        self.cache.begin()
+        try:
+            for hi, head in enumerate(heads):
+                self._write_head(layer, head, start, k_st[:, hi], v_st[:, hi], policy, context)
+        except BaseException:
+            self.cache.rollback()
+            raise
+        self.cache.commit()
+        self._total.add(self._last)
+        return k_st, v_st
+
+    def truncate(self, context_tokens: int) -> None:
+        """Forget every resident row at or after `context_tokens` (rewind a sequence)."""
+        P = self.config.page_tokens
+        for layer_id, lay in self.cache.layers.items():
+            for h, p in zip(*np.nonzero(lay.slot >= 0), strict=True):
+                start = int(p) * P
+                keep = context_tokens - start
+                if keep <= 0:
+                    self.cache.evict(PageKey(layer_id, int(h), start))
+                elif keep < lay.tokens[h, p]:
+                    self.cache._account(lay, -(int(lay.tokens[h, p]) - keep) * self.config.row_bytes)
+                    lay.tokens[h, p] = keep
+
+    def reset(self) -> None:
+        """Drop every resident page (counters are kept)."""
+        self.cache.clear()
+
+    def telemetry(self) -> Telemetry:
+        cfg = self.config
+        return Telemetry(total=Counters(**vars(self._total)), last_call=Counters(**vars(self._last)),
+                         resident_bytes=self.cache.resident_bytes, peak_resident_bytes=self._peak,
+                         resident_pages=self.cache.resident_pages(),
+                         scratch_bytes=self._scratch_k.nbytes + self._scratch_v.nbytes,
+                         budget_bytes=cfg.hot_cache_bytes)
+
+    # --- internals -------------------------------------------------------------------------
+    def _check_query(self, query, n_head: int) -> np.ndarray:
+        D = self.config.head_dim
+        if not isinstance(query, np.ndarray) or query.ndim != 4 or query.shape[1] != n_head \
+                or query.shape[3] != D or query.shape[0] < 1 or query.shape[2] < 1:
+            raise DimensionError(f"query must be (tokens, {n_head}, group, {D}), "
+                                 f"got {getattr(query, 'shape', None)}")
+        if query.dtype != np.float32:
+            raise DimensionError(f"query must be float32, got {query.dtype}")
+        if not np.isfinite(query).all():
+            raise NumericError("query is not finite")
+        return np.ascontiguousarray(query)
+
+    @staticmethod
+    def _check_window(window) -> int:
+        if window is None:
+            return 0
+        if isinstance(window, bool) or not isinstance(window, int | np.integer) or window < 1:
+            raise PageError(f"window must be a positive integer or None, got {window!r}")
+        return int(window)
+
+    @staticmethod
+    def _check_out(out, shape) -> None:
+        if not isinstance(out, np.ndarray) or out.shape != tuple(shape) or out.dtype != np.float32:
+            raise DimensionError(f"out must be a float32 array of shape {tuple(shape)}, got "
+                                 f"{getattr(out, 'dtype', None)} {getattr(out, 'shape', None)}")
+
+    def _fold_all(self, backend, layer, heads, q, context, policy, scale, cap, alibi, win, sinks,
+                  out):
+        cfg, c = self.config, self._last
+        P, split = cfg.page_tokens, cfg.split_pages
+        n_tok, n_head, n_grp, D = q.shape
+        n_pages = page_count(context, P)
+        lo = first_page(context - n_tok - win + 1, P) if win else 0
+        n_part = -(-n_pages // split)
+        m = np.full((n_tok, n_head, n_part, n_grp), -np.inf, dtype=np.float64)
+        l = np.zeros((n_tok, n_head, n_part, n_grp), dtype=np.float64)
+        acc = np.zeros((n_tok, n_head, n_part, n_grp, D), dtype=np.float64)
+        qpos = np.arange(context - n_tok, context, dtype=np.int64)
+
+        lay = self.cache.layer(layer)
+        lay.ensure_table(max(heads) + 1, n_pages)
+        hidx = np.asarray(heads, dtype=np.int64)
+        pages = np.arange(lo, n_pages, dtype=np.int64)
+        starts = pages * P
+        lens = np.minimum(P, context - starts)
+        slots = lay.slot[hidx][:, lo:n_pages]
+        hot = (slots >= 0) & (lay.tokens[hidx][:, lo:n_pages] == lens)
+        for hi, pi in zip(*np.nonzero((slots >= 0) & ~hot), strict=True):  # stale partial pages
+            self.cache.evict(PageKey(layer, heads[hi], int(starts[pi])))
+            c.evictions += 1
+        used = lay.last_use[:, lo:n_pages]
+        used[hidx] = np.where(hot, self._tick, used[hidx])
+
+        batch, n_scr = _Batch(), 0
+        parts = pages // split
+        t_fold = 0.0
+        for hi, head in enumerate(heads):
+            misses = np.flatnonzero(~hot[hi]).tolist() + [len(pages)]
+            prev = 0
+            for mi in misses:
+                if mi > prev:  # a run of hot pages, added in bulk
+                    sl = slice(prev, mi)
+                    batch.add(src=np.zeros(mi - prev), slot=slots[hi, sl], start=starts[sl],
+                              len=lens[sl], head=np.full(mi - prev, hi), part=parts[sl])
+                    c.hot_hits += mi - prev
+                if mi == len(pages):
+                    break
+                if n_scr == cfg.scratch_pages:
+                    t_fold += self._flush(batch, q, qpos, lay, scale, cap, alibi, win, m, l, acc)
+                    n_scr = 0
+                key = PageKey(layer, head, int(starts[mi]))
+                self._regenerate(backend, key, int(lens[mi]), n_scr, policy, context)
+                batch.add(src=fold.SRC_SCRATCH, slot=n_scr, start=starts[mi], len=lens[mi],
+                          head=hi, part=parts[mi])
+                n_scr += 1
+                prev = mi + 1
+        t_fold += self._flush(batch, q, qpos, lay, scale, cap, alibi, win, m, l, acc)
+        t0 = time.perf_counter()
+        result = out if out is not None else np.empty(q.shape, dtype=np.float32)
+        fold.merge_partitions(m, l, acc, sinks, result)
+        c.fold_seconds += t_fold + time.perf_counter() - t0
+        c.pages_folded += n_head * len(pages)
+        c.tokens_consumed += int(lens.sum()) * n_head
+        return result
+
+    def _flush(self, batch, q, qpos, lay, scale, cap, alibi, win, m, l, acc) -> float:
+        if batch.n == 0:
+            return 0.0
+        t0 = time.perf_counter()
+        cols = batch.take()
+        key = cols["head"] * m.shape[2] + cols["part"]
+        bounds = np.flatnonzero(np.diff(key)) + 1
+        run_begin = np.concatenate(([0], bounds, [len(key)])).astype(np.int64)
+        fold.fold_runs(q, qpos, lay.k, lay.v, self._scratch_k, self._scratch_v,
+                       self.config.dtype.code, cols["src"], cols["slot"], cols["start"],
+                       cols["len"], run_begin, cols["head"][run_begin[:-1]],
+                       cols["part"][run_begin[:-1]], np.float32(scale), np.float32(cap), alibi,
+                       win, m, l, acc)
+        return time.perf_counter() - t0
+
+    def _regenerate(self, backend, key: PageKey, n: int, slot: int, policy, context: int) -> None:
+        cfg, c = self.config, self._last
+        staged = self._stage_k is not None
+        k_out = self._stage_k[:n] if staged else self._scratch_k[slot, :n]
+        v_out = self._stage_v[:n] if staged else self._scratch_v[slot, :n]
+        k_out.fill(np.nan)  # rows a backend forgets to write are caught as non-finite
+        v_out.fill(np.nan)
+        t0 = time.perf_counter()
+        try:
+            backend.regenerate_page(key, range(key.start_token, key.start_token + n), k_out, v_out)
+        except AtlasError:
+            raise
+        except Exception as e:
+            raise RegeneratorError(key, f"{type(e).__name__}: {e}") from e
+        finally:
+            c.regen_seconds += time.perf_counter() - t0
+        if not (np.isfinite(k_out).all() and np.isfinite(v_out).all()):
+            raise NumericError("regenerated rows are not finite (or not fully written)", key)
+        if staged:
+            round_rows(k_out, cfg.dtype, out=self._scratch_k[slot, :n])
+            round_rows(v_out, cfg.dtype, out=self._scratch_v[slot, :n])
+        c.regenerations += 1
+        c.bytes_regenerated += n * cfg.row_bytes
+        if cfg.admit_regenerated_pages and policy.admits(key, cfg.page_tokens, context):
+            self._admit(key, self._scratch_k[slot, :n], self._scratch_v[slot, :n], policy,
+                        context)
+
+    def _admit(self, key: PageKey, k_st, v_st, policy, context: int) -> bool:
+        c = self._last
+        evicted = self.cache.make_room(key, k_st.shape[0] * self.config.row_bytes, policy,
+                                       context, self._tick)
+        if evicted < 0:
+            c.admission_rejections += 1
+            return False
+        c.evictions += evicted
+        self.cache.admit(key, k_st, v_st, self._tick)
+        c.admissions += 1
+        self._peak = max(self._peak, self.cache.resident_bytes)
+        return True
+
+    def _write_head(self, layer, head, start, k_st, v_st, policy, context) -> None:
+        P = self.config.page_tokens
+        pos = start
+        end = start + k_st.shape[0]
+        while pos < end:
+            page_start = pos - pos % P
+            stop = min(end, page_start + P)
+            key = PageKey(layer, head, page_start)
+            rows_k, rows_v = k_st[pos - start:stop - start], v_st[pos - start:stop - start]
+            slot, have = self.cache.page_state(key)
+            if slot >= 0 and have != pos - page_start:  # not a contiguous append: drop it
+                self.cache.evict(key)
+                self._last.evictions += 1
+                slot = -1
+            if slot >= 0:
+                nbytes = rows_k.shape[0] * self.config.row_bytes
+                evicted = self.cache.make_room(key, nbytes, policy, context, self._tick)
+                if evicted < 0:
+                    self.cache.evict(key)  # the page cannot grow: it leaves, to be regenerated
+                    self._last.evictions += 1
+                else:
+                    self._last.evictions += evicted
+                    self.cache.grow(key, rows_k, rows_v, self._tick)
+                    self._peak = max(self._peak, self.cache.resident_bytes)
+            elif pos == page_start and policy.admits(key, P, context):
+                self._admit(key, rows_k, rows_v, policy, context)
+            pos = stop
+
+    def _wipe_scratch(self) -> None:
+        self._scratch_k.fill(0)
+        self._scratch_v.fill(0)

@@ -1,0 +1,97 @@
+"""K/V storage dtypes: how float32 rows are rounded on write and widened on read.
+
+Rows are computed in float32 and rounded once, on write, to the storage dtype. Every path that
+stores rows (the full-K/V write, the hot cache, scratch after regeneration) calls `round_rows`,
+so a page's stored bits never depend on where it came from.
+
+numba has no float16 type on the CPU and NumPy has no bfloat16, so both 16-bit formats are kept
+as their raw uint16 bit patterns; `widen_into` (numba) turns them back into float32 exactly.
+Widening is exact for both formats; rounding is round-to-nearest-even for both.
+This module does not hold any cache or attention logic.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+from numba import njit
+
+
+class StorageDtype(enum.Enum):
+    """Storage format of K/V rows; `.code` is what the numba kernels branch on."""
+
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+    @property
+    def code(self) -> int:
+        return _CODES[self]
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self is StorageDtype.FLOAT32 else 2
+
+    @property
+    def array_dtype(self) -> np.dtype:
+        """NumPy dtype of arrays holding this format (uint16 bit patterns for 16-bit formats)."""
+        return np.dtype(np.float32) if self is StorageDtype.FLOAT32 else np.dtype(np.uint16)
+
+
+_CODES = {StorageDtype.FLOAT32: 0, StorageDtype.FLOAT16: 1, StorageDtype.BFLOAT16: 2}
+
+
+def round_rows(rows: np.ndarray, dtype: StorageDtype, out: np.ndarray | None = None) -> np.ndarray:
+    """rows: (..., D) float32 -> same shape in `dtype.array_dtype`, rounded to nearest even."""
+    rows = np.asarray(rows, dtype=np.float32)
+    if dtype is StorageDtype.FLOAT32:
+        result = rows
+    elif dtype is StorageDtype.FLOAT16:
+        result = rows.astype(np.float16).view(np.uint16)
+    else:
+        # bfloat16 = the top 16 bits of float32, rounded to nearest even on the 16 dropped bits.
+        # Inputs are finite (checked before any write), so the carry never produces a NaN.
+        bits = rows.view(np.uint32)
+        lsb = (bits >> np.uint32(16)) & np.uint32(1)
+        result = ((bits + np.uint32(0x7FFF) + lsb) >> np.uint32(16)).astype(np.uint16)
+    if out is None:
+        return np.array(result, dtype=dtype.array_dtype, copy=result is rows)
+    out[...] = result
+    return out
+
+
+def widen(stored: np.ndarray, dtype: StorageDtype) -> np.ndarray:
+    """stored: (..., D) in `dtype.array_dtype` -> float32 copy (exact)."""
+    out = np.empty(stored.shape, dtype=np.float32)
+    widen_into(stored.reshape(-1, stored.shape[-1]) if stored.ndim else stored.reshape(1, 1),
+               dtype.code, out.reshape(-1, out.shape[-1]) if out.ndim else out.reshape(1, 1))
+    return out
+
+
+_TWO_POW_112 = np.float32(2.0**112)  # rebias: float16 exponent bias 15 -> float32 bias 127
+
+
+@njit(cache=True)
+def widen_into(stored, code, out):
+    """stored: (n, D) float32 or uint16 bits, code: StorageDtype.code -> out (n, D) float32."""
+    n, d = stored.shape
+    bits = out.view(np.uint32)
+    for i in range(n):
+        for j in range(d):
+            if code == 0:
+                out[i, j] = stored[i, j]
+            elif code == 1:
+                h = np.uint32(stored[i, j])
+                sign = (h & np.uint32(0x8000)) << np.uint32(16)
+                em = h & np.uint32(0x7FFF)
+                if em >= 0x7C00:  # inf / nan keep their payload
+                    bits[i, j] = sign | np.uint32(0x7F800000) | ((em & np.uint32(0x3FF)) << 13)
+                else:
+                    # place the 15 bits under float32's exponent field and scale by 2**112:
+                    # exact for normals and subnormals alike (a power-of-two product).
+                    bits[i, j] = em << np.uint32(13)
+                    out[i, j] = out[i, j] * _TWO_POW_112
+                    bits[i, j] = bits[i, j] | sign
+            else:
+                bits[i, j] = np.uint32(stored[i, j]) << np.uint32(16)

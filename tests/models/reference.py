@@ -1,0 +1,124 @@
+"""Float64 reference forward pass for llama/qwen2 GGUF files, written plainly (llama2.c style).
+
+`reference_logits(path, ids)` reads a GGUF with gguf-py's own reader, dequantizes every tensor
+with gguf-py's own `dequantize` to float64 and runs the whole model top to bottom with no cache,
+no fusion and no shortcuts. It is the oracle the engine is compared against, so it shares no
+code with `cfr_atlas` and favours being obviously right over being fast.
+
+Conventions (the contract of `cfr_atlas.testing.tiny_gguf`, and llama.cpp's):
+  * a matrix with GGUF `ne = [n_in, n_out]` dequantizes to (n_out, n_in) and is applied as x @ W.T;
+  * "llama" = NORM rope, rotating adjacent pairs (x[2i], x[2i+1]) by pos * theta^(-2i/n_rot)
+    (llama.cpp's converter permutes HF q/k weights into this layout); "qwen2" = NEOX rope,
+    rotating (x[i], x[i + n_rot/2]), plus biases on q/k/v;
+  * GQA: query head h reads kv head h // (n_heads // n_kv_heads).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from cfr_atlas.errors import ModelFormatError, UnsupportedArchitectureError
+
+NEOX_ROPE = {"llama": False, "qwen2": True}  # arch -> rope pairs are split halves
+QKV_BIAS = {"llama": False, "qwen2": True}
+
+
+def _meta(reader: GGUFReader, key: str):
+    field = reader.get_field(key)
+    if field is None:
+        raise ModelFormatError(f"GGUF metadata key {key!r} is missing")
+    return field.contents()
+
+
+def _dequantize(tensor) -> np.ndarray:
+    """GGUF tensor with ne = [n_in, n_out] -> (n_out, n_in) float64 (1D tensors stay 1D)."""
+    w = dequantize(tensor.data, tensor.tensor_type).astype(np.float64)
+    expected = tuple(int(n) for n in reversed(tensor.shape))
+    assert w.shape == expected, (tensor.name, w.shape, expected)
+    return w
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x: (T, D), w: (D,) -> (T, D); x / sqrt(mean(x^2) + eps) * w."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rope(x: np.ndarray, pos: np.ndarray, theta: float, n_rot: int, neox: bool) -> np.ndarray:
+    """x: (T, H, head_dim), pos: (T,) -> (T, H, head_dim); rotates the first n_rot dims per head."""
+    half = n_rot // 2
+    freq = theta ** (-2.0 * np.arange(half, dtype=np.float64) / n_rot)  # (half,) radians/position
+    angle = pos.astype(np.float64)[:, None] * freq[None, :]  # (T, half)
+    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]  # (T, 1, half)
+    i0 = np.arange(half) if neox else 2 * np.arange(half)
+    i1 = i0 + half if neox else i0 + 1
+    a, b = x[..., i0], x[..., i1]
+    out = x.copy()
+    out[..., i0] = a * cos - b * sin
+    out[..., i1] = a * sin + b * cos
+    return out
+
+
+def softmax(s: np.ndarray) -> np.ndarray:
+    e = np.exp(s - s.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def reference_logits(path, ids: list[int]) -> np.ndarray:
+    """Token ids (T,) -> logits (T, vocab) float64, positions 0..T-1, full causal attention."""
+    r = GGUFReader(path)
+    arch = _meta(r, "general.architecture")
+    if arch not in NEOX_ROPE:
+        raise UnsupportedArchitectureError(f"reference has no {arch!r}; knows {list(NEOX_ROPE)}")
+    n_layers = _meta(r, f"{arch}.block_count")
+    dim = _meta(r, f"{arch}.embedding_length")
+    n_heads = _meta(r, f"{arch}.attention.head_count")
+    n_kv_heads = _meta(r, f"{arch}.attention.head_count_kv")
+    eps = _meta(r, f"{arch}.attention.layer_norm_rms_epsilon")
+    theta = _meta(r, f"{arch}.rope.freq_base")
+    head_dim = dim // n_heads
+    n_rot = _meta(r, f"{arch}.rope.dimension_count")
+    group = n_heads // n_kv_heads  # query heads per kv head
+    tensors = {t.name: t for t in r.tensors}
+
+    def W(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ModelFormatError(f"tensor {name!r} is missing from {path}")
+        return _dequantize(tensors[name])
+
+    T = len(ids)
+    pos = np.arange(T)
+    causal = np.triu(np.full((T, T), -np.inf), k=1)  # (T, T): 0 on and below the diagonal
+    x = W("token_embd.weight")[np.asarray(ids)]  # (T, dim)
+
+    for layer in range(n_layers):
+        p = f"blk.{layer}."
+        # attention: x += Wo @ attn(rope(Wq xn), rope(Wk xn), Wv xn)
+        xn = rms_norm(x, W(p + "attn_norm.weight"), eps)
+        q, k, v = (xn @ W(p + f"attn_{n}.weight").T for n in "qkv")
+        if QKV_BIAS[arch]:
+            q, k, v = q + W(p + "attn_q.bias"), k + W(p + "attn_k.bias"), v + W(p + "attn_v.bias")
+        q = rope(q.reshape(T, n_heads, head_dim), pos, theta, n_rot, NEOX_ROPE[arch])
+        k = rope(k.reshape(T, n_kv_heads, head_dim), pos, theta, n_rot, NEOX_ROPE[arch])
+        v = v.reshape(T, n_kv_heads, head_dim)
+        att = np.empty((T, n_heads, head_dim))
+        for h in range(n_heads):
+            scores = q[:, h] @ k[:, h // group].T / math.sqrt(head_dim) + causal  # (T, T)
+            att[:, h] = softmax(scores) @ v[:, h // group]
+        x = x + att.reshape(T, dim) @ W(p + "attn_output.weight").T
+
+        # feed-forward: x += down(silu(gate xn) * up xn)
+        xn = rms_norm(x, W(p + "ffn_norm.weight"), eps)
+        hidden = silu(xn @ W(p + "ffn_gate.weight").T) * (xn @ W(p + "ffn_up.weight").T)
+        x = x + hidden @ W(p + "ffn_down.weight").T
+
+    x = rms_norm(x, W("output_norm.weight"), eps)
+    out = W("output.weight" if "output.weight" in tensors else "token_embd.weight")  # tied
+    return x @ out.T
