@@ -72,8 +72,11 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def reference_logits(path, ids: list[int]) -> np.ndarray:
-    """Token ids (T,) -> logits (T, vocab) float64, positions 0..T-1, full causal attention."""
-    r = GGUFReader(path)
+    """Token ids (T,) -> logits (T, vocab) float64, positions 0..T-1, full causal attention.
+
+    `path` may also be an open GGUFReader: parsing a 49k-token vocabulary takes seconds.
+    """
+    r = path if isinstance(path, GGUFReader) else GGUFReader(path)
     arch = _meta(r, "general.architecture")
     if arch not in NEOX_ROPE:
         raise UnsupportedArchitectureError(f"reference has no {arch!r}; knows {list(NEOX_ROPE)}")
@@ -90,7 +93,7 @@ def reference_logits(path, ids: list[int]) -> np.ndarray:
 
     def W(name: str) -> np.ndarray:
         if name not in tensors:
-            raise ModelFormatError(f"tensor {name!r} is missing from {path}")
+            raise ModelFormatError(f"tensor {name!r} is missing from the GGUF")
         return _dequantize(tensors[name])
 
     T = len(ids)

@@ -200,6 +200,13 @@ def test_reference_logits_finite_and_well_conditioned(tiny_gguf, arch, qtype):
     assert len(set(logits.argmax(axis=1))) > 1  # the prediction depends on the context
 
 
+def test_untied_model_projects_with_output_weight(tiny_gguf):
+    tied = reference_logits(tiny_gguf(), IDS)
+    untied = reference_logits(tiny_gguf(tied_embeddings=False), IDS)
+    assert (untied.std(axis=1) > 0.5).all()
+    assert not np.allclose(untied, tied)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_reference_is_causal(tiny_gguf, arch):
     path = tiny_gguf(arch=arch)
@@ -235,7 +242,8 @@ def test_rope_conventions():
 @pytest.mark.slow
 def test_reference_on_bundled_model_says_paris(bundled_model_path):
     ids = [504, 3575, 282, 4649, 314]  # "The capital of France is" in SmolLM2's vocab
-    tokens = meta(GGUFReader(bundled_model_path), "tokenizer.ggml.tokens")
+    reader = GGUFReader(bundled_model_path)  # parsed once: 49k tokens + 49k merges take seconds
+    tokens = meta(reader, "tokenizer.ggml.tokens")
     assert [tokens[i] for i in ids] == ["The", "Ġcapital", "Ġof", "ĠFrance", "Ġis"]
-    logits = reference_logits(bundled_model_path, ids)
+    logits = reference_logits(reader, ids)
     assert tokens[int(logits[-1].argmax())] == "ĠParis"

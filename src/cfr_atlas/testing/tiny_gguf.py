@@ -65,7 +65,7 @@ _FRAGMENTS = "th he in er an re on at en nd es or ing ed ion tion ly al ar st ou
 _WORDS = (
     "the of and to in is that for it with as was on be at by this are from or have an not but "
     "they his her which you we all can will one has more their there been if would about what "
-    "so The capital France Paris city language model token hello world Hello is a I A"
+    "so The capital France Paris city language model token hello world Hello a I A"
 )
 
 
@@ -160,7 +160,7 @@ def _tensor_types(qtype, roles: list[str | None]) -> list[str]:
     return ["F32" if r is None else by_role[r] for r in roles]
 
 
-def _check_shapes(arch, n_layers, dim, n_heads, n_kv_heads, hidden_dim) -> None:
+def _check_shapes(arch, n_layers, dim, n_heads, n_kv_heads) -> None:
     if arch not in ARCHS:
         raise ConfigError("arch", f"{arch!r} is not one of {ARCHS}")
     if n_layers < 1 or dim % n_heads or n_heads % n_kv_heads or (dim // n_heads) % 2:
@@ -189,7 +189,7 @@ def write_tiny_gguf(
     norm_eps: float = 1e-5,
 ) -> Path:
     """Write a complete tiny GGUF to `path` (temp file, then os.replace) and return the path."""
-    _check_shapes(arch, n_layers, dim, n_heads, n_kv_heads, hidden_dim)
+    _check_shapes(arch, n_layers, dim, n_heads, n_kv_heads)
     tokens, merges, token_types = build_vocab()
     tensors = _weights(
         np.random.default_rng(seed), arch=arch, n_layers=n_layers, dim=dim, n_heads=n_heads,
@@ -197,7 +197,7 @@ def write_tiny_gguf(
     )  # fmt: skip
     types = _tensor_types(qtype, [role for _, role, _ in tensors])
     matrix_types = [t for (_, role, _), t in zip(tensors, types, strict=True) if role]
-    main_type = max(SUPPORTED_QTYPES, key=matrix_types.count)  # llama.cpp: the dominant type
+    main_type = max(SUPPORTED_QTYPES, key=matrix_types.count)  # mixed files: most common
 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")

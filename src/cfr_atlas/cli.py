@@ -1,0 +1,161 @@
+"""`cfr-atlas`: generate, chat, inspect and validate from the command line.
+
+Every expected failure (missing or bad model file, bad option, bad budget) is one line on
+stderr and exit code 2; tracebacks are for bugs. This module only parses arguments and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from cfr_atlas.errors import AtlasError
+
+_KV_HELP = ("K/V memory budget, e.g. 16MiB (default: unbounded, all K/V in RAM); pages beyond it "
+            "are regenerated exactly, so output does not change")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="path to a .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * max prob")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--kv-budget", default=None, help=_KV_HELP)
+    p.add_argument("--regenerator", default="spill", choices=["spill"],
+                   help="where cold pages come from (spill: the sequence's page file)")
+    p.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="K/V storage dtype (default float32)")
+    p.add_argument("--cache-dir", default=None, help="folder for page files (default: user cache)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="cfr-atlas", description="Exact long-context LLM inference "
+                                 "on the CPU with virtual K/V memory.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="complete a prompt and print telemetry")
+    g.add_argument("prompt", help="the prompt text (wrapped in the chat template unless --raw)")
+    _common(g)
+    c = sub.add_parser("chat", help="interactive chat, streaming")
+    _common(c)
+    i = sub.add_parser("inspect", help="show a GGUF file's metadata, tensors and K/V bytes/token")
+    i.add_argument("file", nargs="?", default=None, help="the .gguf file (default: bundled)")
+    return ap
+
+
+def _kv_options(a) -> dict:
+    return {"kv_budget": a.kv_budget, "regenerator": a.regenerator,
+            "storage_dtype": a.kv_dtype, "cache_dir": a.cache_dir}
+
+
+def _gen_options(a) -> dict:
+    return {"max_tokens": a.max_tokens, "temperature": a.temperature, "top_k": a.top_k,
+            "top_p": a.top_p, "min_p": a.min_p, "repeat_penalty": a.repeat_penalty,
+            "seed": a.seed}
+
+
+def _fmt_bytes(n) -> str:
+    if n is None:
+        return "unbounded"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def telemetry_lines(t: dict) -> list[str]:
+    tps = t.get("generated_tokens", 0) / t["seconds"] if t.get("seconds") else 0.0
+    return [
+        f"kv budget        {_fmt_bytes(t['budget_bytes'])}",
+        f"peak resident kv {_fmt_bytes(t['peak_resident_kv_bytes'])}",
+        f"full kv          {_fmt_bytes(t['full_kv_bytes'])}",
+        f"pages regen'd    {t['pages_regenerated']:,}",
+        f"hot hit rate     {t['hot_hit_rate']:.1%}",
+        f"regen seconds    {t['regen_seconds']:.3f}",
+        f"tokens/s         {tps:.1f} ({t.get('generated_tokens', 0)} tokens, "
+        f"prompt {t.get('prompt_tokens', 0)})",
+    ]
+
+
+def _generate(a) -> None:
+    from cfr_atlas.engine import load_model
+
+    model = load_model(a.model)
+    prompt = a.prompt if a.raw else model.chat_prompt([{"role": "user", "content": a.prompt}])
+    for piece in model.stream(prompt, **_gen_options(a), **_kv_options(a)):
+        print(piece, end="", flush=True)
+    print()
+    print("\n".join("# " + line for line in telemetry_lines(model.last_telemetry)),
+          file=sys.stderr)
+
+
+def _chat(a) -> None:
+    from cfr_atlas.engine import load_model
+
+    model = load_model(a.model)
+    messages = []
+    print("cfr-atlas chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        reply = []
+        for piece in model.stream(model.chat_prompt(messages), **_gen_options(a),
+                                  **_kv_options(a)):
+            print(piece, end="", flush=True)
+            reply.append(piece)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _inspect(a) -> None:
+    from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
+    from cfr_atlas.models.llama import LlamaConfig
+
+    gf = GGUFFile(a.file if a.file else bundled_model_path())
+    print(f"file: {gf.path} ({gf.path.stat().st_size:,} bytes)")
+    for key, field in gf.reader.fields.items():
+        if key.startswith("GGUF.") or key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                                              "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            continue
+        value = str(field.contents())
+        print(f"  {key} = {value[:70] + '...' if len(value) > 70 else value}")
+    sizes: dict[str, list[int]] = {}
+    for t in gf.reader.tensors:
+        s = sizes.setdefault(t.tensor_type.name, [0, 0])
+        s[0] += 1
+        s[1] += int(t.n_bytes)
+    print("tensors:")
+    for name, (count, nbytes) in sorted(sizes.items()):
+        print(f"  {name:6s} {count:4d} tensors {nbytes:>14,} bytes")
+    cfg = LlamaConfig.from_gguf(gf)
+    print(f"K/V bytes per token: {cfg.kv_bytes_per_token(4):,} (float32), "
+          f"{cfg.kv_bytes_per_token(2):,} (float16)")
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        {"generate": _generate, "chat": _chat, "inspect": _inspect}[args.cmd](args)
+    except AtlasError as e:
+        print(f"cfr-atlas: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    del t0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

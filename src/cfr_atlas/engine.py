@@ -1,0 +1,128 @@
+"""`Model`: the user-facing handle — `load_model()`, tokenize, logits, generate, stream, chat.
+
+It glues a model family, the tokenizer and chat template from the same GGUF, sessions (K/V
+state under an optional budget) and the generation iterator. Every entry point builds a fresh
+`Session`, so calls are independent; `last_telemetry` describes the most recent one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+from cfr_atlas.generate import DEFAULT_CHUNK, Timer, check_ids, generate_steps, prefill
+from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
+from cfr_atlas.models.llama import LlamaModel
+from cfr_atlas.models.session import Session
+from cfr_atlas.sampling import SamplingParams
+from cfr_atlas.text import ChatTemplate, StreamDecoder, Tokenizer
+
+
+def load_model(path: str | os.PathLike | None = None) -> Model:
+    """Load a GGUF model (default: the bundled SmolLM2-135M-Instruct Q4_1)."""
+    return Model(GGUFFile(path if path is not None else bundled_model_path()))
+
+
+class Model:
+    """A loaded model with its tokenizer; see the module docstring."""
+
+    def __init__(self, gf: GGUFFile):
+        self.path = gf.path
+        self.identity = gf.identity()
+        self.net = LlamaModel(gf)
+        self.net.identity = self.identity
+        self.config = self.net.config
+        self.tokenizer = Tokenizer.from_gguf(gf.reader)
+        template = gf.meta("tokenizer.chat_template", None)
+        self.chat_template = ChatTemplate(template, self.tokenizer.token_to_piece(
+            self.tokenizer.bos_id) if self.tokenizer.bos_id is not None else "",
+            self.tokenizer.token_to_piece(self.tokenizer.eos_id)
+            if self.tokenizer.eos_id is not None else "")
+        self.last_telemetry: dict = {}
+
+    # --- text ------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def detokenize(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    # --- sessions and logits ---------------------------------------------------------------
+    def session(self, **kv) -> Session:
+        """A fresh sequence: kv_budget, regenerator, policy, storage_dtype, page_tokens,
+        cache_dir (see `Session`)."""
+        return Session(self.net, **kv)
+
+    def logits(self, ids, *, chunk_tokens: int = DEFAULT_CHUNK, **kv) -> np.ndarray:
+        """Next-token logits at every position: (len(ids), vocab) float32."""
+        ids = check_ids(ids, self.config.vocab_size)
+        with _closing(self.session(**kv)) as s:
+            out = prefill(self.net, s, ids, chunk_tokens=chunk_tokens, all_logits=True)
+            self.last_telemetry = s.telemetry_summary()
+        return out
+
+    def next_logits(self, ids, *, chunk_tokens: int = DEFAULT_CHUNK, **kv) -> np.ndarray:
+        """Logits after the whole prompt: (vocab,) float32 == logits(ids)[-1]."""
+        ids = check_ids(ids, self.config.vocab_size)
+        with _closing(self.session(**kv)) as s:
+            out = prefill(self.net, s, ids, chunk_tokens=chunk_tokens)[0]
+            self.last_telemetry = s.telemetry_summary()
+        return out
+
+    # --- generation ------------------------------------------------------------------------
+    def stream(self, prompt: str | list[int], *, max_tokens: int = 128, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+               repeat_penalty: float = 1.0, seed: int | None = None, stop=(),
+               chunk_tokens: int = DEFAULT_CHUNK, **kv) -> Iterator[str]:
+        """Yield text pieces as they are generated (never a broken UTF-8 character)."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                repeat_penalty=repeat_penalty, seed=seed)
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        stops = [stop] if isinstance(stop, str) else [s for s in stop if s]
+        decoder, held, timer, n = StreamDecoder(self.tokenizer), "", Timer(), 0
+        with _closing(self.session(**kv)) as s:
+            steps = generate_steps(self.net, s, ids, params, max_tokens=max_tokens,
+                                   eos_ids=self.tokenizer.eos_ids, chunk_tokens=chunk_tokens)
+            for step in steps:
+                n += 1
+                if step.finish_reason == "stop":
+                    break
+                held += decoder.push(step.token)
+                cut = min((held.find(x) for x in stops if x in held), default=-1)
+                if cut >= 0:
+                    held = held[:cut]
+                    break
+                keep = max((len(x) - 1 for x in stops), default=0)
+                if len(held) > keep:
+                    yield held[:len(held) - keep]
+                    held = held[len(held) - keep:]
+            else:
+                held += decoder.flush()
+            if held:
+                yield held
+            self.last_telemetry = {**s.telemetry_summary(), "generated_tokens": n,
+                                   "prompt_tokens": len(ids), "seconds": timer.mark("all")}
+
+    def generate(self, prompt: str | list[int], **kw) -> str:
+        """The whole completion as one string (same options as `stream`)."""
+        return "".join(self.stream(prompt, **kw))
+
+    def chat_prompt(self, messages) -> str:
+        return self.chat_template.render(messages, add_generation_prompt=True)
+
+    def chat(self, messages, **kw) -> str:
+        """Reply to a list of {"role", "content"} messages using the GGUF's chat template."""
+        return self.generate(self.chat_prompt(messages), **kw)
+
+
+class _closing:
+    def __init__(self, session: Session):
+        self.session = session
+
+    def __enter__(self) -> Session:
+        return self.session
+
+    def __exit__(self, *exc) -> None:
+        self.session.close()

@@ -1,0 +1,181 @@
+"""Spilled K/V pages of one live sequence: a page file and the `SpillKv` regenerator.
+
+Rows are written once, when the model computes them, already rounded to the storage dtype.
+File layout (little-endian):
+
+    file header  (64 B): magic b"CFRKVPG1", version u32, page_tokens u32, head_dim u32,
+                         itemsize u32, sequence id (16 B), model identity (first 16 B of SHA-256)
+    slot i       at 64 + i * slot_bytes, slot_bytes = 64 + 2 * page_tokens * head_dim * itemsize:
+                 page header (64 B): magic b"PG", version u16, layer u32, kv_head u32,
+                 start u64, n_tokens u32, crc32(K rows) u32, crc32(V rows) u32, sequence id (16 B)
+                 then K rows (page_tokens x head_dim), then V rows
+
+Slots are handed out in first-write order; the slot table and the expected checksums live in
+memory (the file belongs to this process), so a file that is truncated, damaged, swapped for
+another sequence's, or of another version is detected on read: `CorruptPageError`, never rows.
+Files are removed on `close()`; files of dead processes are removed by `clean_stale()`.
+This module does not decide what is resident; the Atlas does.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import uuid
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from cfr_atlas.atlas.pages import PageKey
+from cfr_atlas.errors import CapacityError, CorruptPageError
+
+MAGIC, VERSION = b"CFRKVPG1", 1
+_FILE_HDR = struct.Struct("<8sIIII16s16s")   # 64 bytes
+_PAGE_HDR = struct.Struct("<2sHIIQIII16s")   # 46 bytes, padded to 64
+HDR_BYTES = 64
+
+
+def default_cache_dir() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("cfr-atlas")) / "pages"
+
+
+def clean_stale(folder: Path) -> int:
+    """Remove page files left by processes that no longer run; returns how many."""
+    removed = 0
+    for path in folder.glob("seq-*.kvp"):
+        try:
+            pid = int(path.name.split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SpillKv:
+    """Page file of one sequence; also its KvRegenerator (reads a page back into scratch)."""
+
+    def __init__(self, folder: str | os.PathLike | None, page_tokens: int, head_dim: int,
+                 dtype, model_id: str):
+        self.folder = Path(folder).expanduser() if folder else default_cache_dir()
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            clean_stale(self.folder)
+            self.seq_id = uuid.uuid4().bytes
+            self.path = self.folder / f"seq-{os.getpid()}-{self.seq_id.hex()}.kvp"
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise CapacityError(f"cannot create a page file in {self.folder}: {e.strerror}; "
+                                "pass a writable cache directory") from None
+        self.page_tokens, self.head_dim, self.dtype = page_tokens, head_dim, dtype
+        self.row_bytes = head_dim * dtype.itemsize
+        self.slot_bytes = HDR_BYTES + 2 * page_tokens * self.row_bytes
+        self.model_id = bytes.fromhex(model_id)[:16].ljust(16, b"\0")
+        self.slots: dict[PageKey, list] = {}   # key -> [slot, n_tokens, crc_k, crc_v]
+        self.bytes_written = 0
+        header = _FILE_HDR.pack(MAGIC, VERSION, page_tokens, head_dim, dtype.itemsize,
+                                self.seq_id, self.model_id)
+        self._pwrite(header.ljust(HDR_BYTES, b"\0"), 0)
+
+    # --- writing -------------------------------------------------------------------------------
+    def write(self, layer: int, kv_head: int, start: int, k_st: np.ndarray, v_st: np.ndarray):
+        """Append rows (T, D) in storage dtype for tokens start.. of one head, page by page."""
+        P, pos, end = self.page_tokens, start, start + k_st.shape[0]
+        while pos < end:
+            page_start = pos - pos % P
+            stop = min(end, page_start + P)
+            key = PageKey(layer, kv_head, page_start)
+            entry = self.slots.get(key)
+            if entry is None or entry[1] > pos - page_start:   # new page, or a rewind
+                slot = len(self.slots) if entry is None else entry[0]
+                entry = self.slots[key] = [slot, pos - page_start, 0, 0]
+            if entry[1] != pos - page_start:
+                raise CorruptPageError(f"{key}: rows must be appended in order "
+                                       f"(have {entry[1]}, writing from {pos - page_start})")
+            kb = np.ascontiguousarray(k_st[pos - start:stop - start]).tobytes()
+            vb = np.ascontiguousarray(v_st[pos - start:stop - start]).tobytes()
+            base = HDR_BYTES + entry[0] * self.slot_bytes + HDR_BYTES
+            off = (pos - page_start) * self.row_bytes
+            if entry[1] == 0:
+                entry[2] = entry[3] = 0
+            self._pwrite(kb, base + off)
+            self._pwrite(vb, base + P * self.row_bytes + off)
+            entry[1] = stop - page_start
+            entry[2], entry[3] = zlib.crc32(kb, entry[2]), zlib.crc32(vb, entry[3])
+            self._pwrite(self._page_header(key, entry), HDR_BYTES + entry[0] * self.slot_bytes)
+            pos = stop
+
+    def _page_header(self, key: PageKey, entry) -> bytes:
+        return _PAGE_HDR.pack(b"PG", VERSION, key.layer, key.kv_head, key.start_token, entry[1],
+                              entry[2], entry[3], self.seq_id).ljust(HDR_BYTES, b"\0")
+
+    def _pwrite(self, data: bytes, offset: int) -> None:
+        try:
+            n = os.pwrite(self.fd, data, offset)
+        except OSError as e:
+            raise CapacityError(f"writing page file {self.path}: {e.strerror}") from None
+        if n != len(data):
+            raise CapacityError(f"short write to {self.path} ({n} of {len(data)} bytes): "
+                                "is the disk full?")
+        self.bytes_written += n
+
+    # --- reading (the KvRegenerator protocol) ----------------------------------------------
+    def regenerate_page(self, key: PageKey, tokens: range, k_out: np.ndarray,
+                        v_out: np.ndarray) -> None:
+        entry = self.slots.get(key)
+        n = len(tokens)
+        if entry is None or entry[1] != n:
+            raise CorruptPageError(f"{key}: page file holds {entry[1] if entry else 0} rows, "
+                                   f"{n} requested")
+        slot_off = HDR_BYTES + entry[0] * self.slot_bytes
+        try:
+            head = os.pread(self.fd, HDR_BYTES, slot_off)
+            kb = os.pread(self.fd, n * self.row_bytes, slot_off + HDR_BYTES)
+            vb = os.pread(self.fd, n * self.row_bytes,
+                          slot_off + HDR_BYTES + self.page_tokens * self.row_bytes)
+        except OSError as e:
+            raise CorruptPageError(f"{key}: reading {self.path}: {e.strerror}") from None
+        if len(head) < _PAGE_HDR.size or len(kb) != n * self.row_bytes or len(vb) != len(kb):
+            raise CorruptPageError(f"{key}: page file {self.path} is truncated")
+        magic, ver, layer, kvh, start, count, crc_k, crc_v, seq = _PAGE_HDR.unpack_from(head)
+        if magic != b"PG" or ver != VERSION:
+            raise CorruptPageError(f"{key}: bad page header (magic {magic!r}, version {ver})")
+        if seq != self.seq_id or (layer, kvh, start) != tuple(key):
+            raise CorruptPageError(f"{key}: page belongs to another sequence or page")
+        if (count != n or (crc_k, crc_v) != (entry[2], entry[3])
+                              or zlib.crc32(kb) != crc_k or zlib.crc32(vb) != crc_v):
+            raise CorruptPageError(f"{key}: checksum mismatch in {self.path}")
+        k_out[...] = self._widen(kb, n)
+        v_out[...] = self._widen(vb, n)
+
+    def _widen(self, raw: bytes, n: int) -> np.ndarray:
+        from cfr_atlas.atlas.storage import widen
+
+        rows = np.frombuffer(raw, dtype=self.dtype.array_dtype).reshape(n, self.head_dim)
+        return widen(rows, self.dtype)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            self.path.unlink(missing_ok=True)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,205 @@
+"""The Llama family (llama, qwen2): config from GGUF metadata, weights, the forward pass.
+
+One frozen `LlamaConfig` built in one place from metadata; `LlamaWeights` loads quantized
+matrices as `QuantWeight`s (never expanded to float32) and fuses Q|K|V and gate|up visibly, by
+concatenating their quantized rows when they share a format. `forward_chunk` is the whole
+transformer for a chunk of tokens, top to bottom, with every attention call going through the
+caller's `Atlas` (the model's K/V lives there and in the session's regenerator).
+
+Architecture differences (RoPE convention, Q/K/V biases) live in `ARCHS`, not as branches in a
+loader. This module holds no sampling, tokenization or generation loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cfr_atlas.errors import ModelFormatError, UnsupportedArchitectureError
+from cfr_atlas.models.gguf_io import GGUFFile
+from cfr_atlas.ops import rms_norm, rope_cos_sin, rope_freqs, rotate, swiglu
+from cfr_atlas.quant import QuantWeight
+
+# per architecture: RoPE convention (llama.cpp's converter permutes llama Q/K rows so that
+# adjacent pairs rotate; qwen2 keeps HF's split halves) and whether Q/K/V carry biases.
+ARCHS = {
+    "llama": {"rope_mode": "normal", "qkv_bias": False},
+    "qwen2": {"rope_mode": "neox", "qkv_bias": True},
+}
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    arch: str
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    hidden_dim: int
+    vocab_size: int
+    context_length: int
+    norm_eps: float
+    rope_theta: float
+    rope_dims: int
+    rope_mode: str
+    rope_freq_scale: float
+    qkv_bias: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def group(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def kv_bytes_per_token(self, itemsize: int = 4) -> int:
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * itemsize
+
+    @classmethod
+    def from_gguf(cls, gf: GGUFFile) -> LlamaConfig:
+        arch = gf.meta("general.architecture")
+        if arch not in ARCHS:
+            raise UnsupportedArchitectureError(
+                f"{gf.path.name}: architecture {arch!r} is not supported "
+                f"(supported: {', '.join(sorted(ARCHS))})")
+
+        def key(name, default=...):
+            return gf.meta(f"{arch}.{name}", default)
+
+        dim, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
+        n_kv = int(key("attention.head_count_kv", n_heads))
+        if dim % n_heads or n_heads % n_kv:
+            raise ModelFormatError(f"{gf.path.name}: dim {dim}, {n_heads} heads and {n_kv} K/V "
+                                   "heads do not divide evenly")
+        vocab = int(key("vocab_size", len(gf.meta("tokenizer.ggml.tokens", [])) or 0)) or int(
+            gf.tensor("token_embd.weight").shape[1])
+        scaling = key("rope.scaling.type", "none")
+        factor = float(key("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+        return cls(
+            arch=arch, n_layers=int(key("block_count")), dim=dim, n_heads=n_heads,
+            n_kv_heads=n_kv, hidden_dim=int(key("feed_forward_length")), vocab_size=vocab,
+            context_length=int(key("context_length", 4096)),
+            norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rope_dims=int(key("rope.dimension_count", dim // n_heads)),
+            rope_mode=ARCHS[arch]["rope_mode"], rope_freq_scale=1.0 / factor,
+            qkv_bias=ARCHS[arch]["qkv_bias"],
+        )
+
+
+def _weight(gf: GGUFFile, name: str) -> QuantWeight:
+    t = gf.tensor(name)
+    n_rows, n_cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims innermost first
+    return QuantWeight.from_gguf(name, t.tensor_type, t.data, (n_rows, n_cols))
+
+
+def _fused(gf: GGUFFile, names: list[str]) -> QuantWeight | list[QuantWeight]:
+    """One QuantWeight over the stacked rows of `names` when they share a format (one kernel
+    call instead of several); the separate weights otherwise."""
+    ts = [gf.tensor(n) for n in names]
+    if len({t.tensor_type for t in ts}) != 1 or len({int(t.shape[0]) for t in ts}) != 1:
+        return [_weight(gf, n) for n in names]
+    raw = np.concatenate([np.asarray(t.data).reshape(int(t.shape[1]), -1) for t in ts])
+    rows = sum(int(t.shape[1]) for t in ts)
+    return QuantWeight.from_gguf("+".join(names), ts[0].tensor_type, raw,
+                                 (rows, int(ts[0].shape[0])))
+
+
+class _Layer:
+    def __init__(self, gf: GGUFFile, cfg: LlamaConfig, i: int):
+        p = f"blk.{i}."
+        self.attn_norm = gf.tensor_f32(p + "attn_norm.weight")
+        self.ffn_norm = gf.tensor_f32(p + "ffn_norm.weight")
+        self.wqkv = _fused(gf, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"])
+        self.bqkv = (np.concatenate([gf.tensor_f32(p + f"attn_{x}.bias") for x in "qkv"])
+                     if cfg.qkv_bias else None)
+        self.wo = _weight(gf, p + "attn_output.weight")
+        self.w_gate_up = _fused(gf, [p + "ffn_gate.weight", p + "ffn_up.weight"])
+        self.w_down = _weight(gf, p + "ffn_down.weight")
+
+
+def _matmul(w, x: np.ndarray) -> np.ndarray:
+    """x (T, K) through a fused weight or a list of weights whose outputs concatenate."""
+    if isinstance(w, list):
+        return np.concatenate([wi.matmul(x) for wi in w], axis=1)
+    return w.matmul(x)
+
+
+class LlamaWeights:
+    """All weights of a Llama-family model, quantized as stored in the GGUF."""
+
+    def __init__(self, gf: GGUFFile, cfg: LlamaConfig):
+        self.embed = _weight(gf, "token_embd.weight")
+        if self.embed.shape != (cfg.vocab_size, cfg.dim):
+            raise ModelFormatError(f"token_embd.weight is {self.embed.shape}, expected "
+                                   f"({cfg.vocab_size}, {cfg.dim})")
+        self.output = _weight(gf, "output.weight") if "output.weight" in gf.tensors else self.embed
+        self.output_norm = gf.tensor_f32("output_norm.weight")
+        self.layers = [_Layer(gf, cfg, i) for i in range(cfg.n_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        ws = [self.embed, self.output]
+        for lay in self.layers:
+            for w in (lay.wqkv, lay.wo, lay.w_gate_up, lay.w_down):
+                ws.extend(w if isinstance(w, list) else [w])
+        return sum(w.nbytes for w in {id(w): w for w in ws}.values())
+
+
+class LlamaModel:
+    """Config + weights + the forward pass. K/V state is passed in (a `Session`)."""
+
+    def __init__(self, gf: GGUFFile):
+        self.config = LlamaConfig.from_gguf(gf)
+        self.weights = LlamaWeights(gf, self.config)
+        c = self.config
+        self.rope_freqs = rope_freqs(c.rope_dims, theta=c.rope_theta,
+                                     freq_scale=c.rope_freq_scale)
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """ids (T,) -> (T, dim) float32 rows of the embedding table."""
+        return self.weights.embed.rows(ids)
+
+    def qkv(self, layer: int, x: np.ndarray, positions: np.ndarray):
+        """Layer input x (T, dim) -> q (T, n_heads, hd), k, v (T, n_kv, hd), RoPE applied.
+
+        This is also what a recompute regenerator replays: the same kernels on the same rows.
+        """
+        c, lay = self.config, self.weights.layers[layer]
+        h = rms_norm(x, lay.attn_norm, c.norm_eps)
+        qkv = _matmul(lay.wqkv, h)
+        if lay.bqkv is not None:
+            qkv += lay.bqkv
+        T, hd, nq, nkv = x.shape[0], c.head_dim, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        q = qkv[:, :nq].reshape(T, c.n_heads, hd)
+        k = qkv[:, nq:nq + nkv].reshape(T, c.n_kv_heads, hd)
+        v = np.ascontiguousarray(qkv[:, nq + nkv:].reshape(T, c.n_kv_heads, hd))
+        cos, sin = rope_cos_sin(positions, self.rope_freqs)
+        q = rotate(np.ascontiguousarray(q), cos, sin, mode=c.rope_mode)
+        k = rotate(np.ascontiguousarray(k), cos, sin, mode=c.rope_mode)
+        return q, k, v
+
+    def forward_chunk(self, session, ids: np.ndarray, *, all_logits: bool = True) -> np.ndarray:
+        """Tokens ids (T,) at positions session.n_tokens ... -> logits (T or 1, vocab) float32.
+
+        Appends the chunk's K/V to the session. Every row's arithmetic is independent of T.
+        """
+        c, w = self.config, self.weights
+        T = ids.shape[0]
+        pos0 = session.n_tokens
+        positions = np.arange(pos0, pos0 + T, dtype=np.int64)
+        x = self.embed(ids)
+        for i, lay in enumerate(w.layers):
+            q, k, v = self.qkv(i, x, positions)
+            session.store_kv(i, pos0, x, k, v)
+            q = q.reshape(T, c.n_kv_heads, c.group, c.head_dim)
+            attn = session.attend(i, q, pos0 + T)
+            x = x + lay.wo.matmul(attn.reshape(T, c.dim))           # h = x + attention(norm(x))
+            gu = _matmul(lay.w_gate_up, rms_norm(x, lay.ffn_norm, c.norm_eps))
+            x = x + lay.w_down.matmul(swiglu(gu[:, :c.hidden_dim], gu[:, c.hidden_dim:]))
+        session.n_tokens = pos0 + T
+        if not all_logits:
+            x = x[-1:]
+        return w.output.matmul(rms_norm(x, w.output_norm, c.norm_eps))
