@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from cfr_atlas.errors import AtlasError
 
@@ -26,8 +25,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--kv-budget", default=None, help=_KV_HELP)
-    p.add_argument("--regenerator", default="spill", choices=["spill"],
-                   help="where cold pages come from (spill: the sequence's page file)")
+    p.add_argument("--regenerator", default="spill", choices=["spill", "recompute"],
+                   help="where cold pages come from: spill (the sequence's page file, default) "
+                   "or recompute (replay K/V from kept layer inputs)")
     p.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                    help="K/V storage dtype (default float32)")
     p.add_argument("--cache-dir", default=None, help="folder for page files (default: user cache)")
@@ -45,7 +45,30 @@ def _parser() -> argparse.ArgumentParser:
     _common(c)
     i = sub.add_parser("inspect", help="show a GGUF file's metadata, tensors and K/V bytes/token")
     i.add_argument("file", nargs="?", default=None, help="the .gguf file (default: bundled)")
+    v = sub.add_parser("validate", help="long-context check: full vs budgeted K/V, bitwise",
+                       description="Run the shipped real text through the model twice, with all "
+                       "K/V in RAM and under --kv-budget, compare logits bitwise at every "
+                       "position, then a greedy continuation; exit 1 on any difference.")
+    v.add_argument("--model", help="path to a .gguf file (default: bundled)")
+    v.add_argument("--tokens", type=int, default=8192, help="prompt tokens (default 8192)")
+    v.add_argument("--kv-budget", default="4MiB", help="K/V budget (default 4MiB)")
+    v.add_argument("--regenerator", default="spill", choices=["spill", "recompute"])
+    v.add_argument("--continuation", type=int, default=64, help="greedy tokens (default 64)")
+    v.add_argument("--chunk-tokens", type=int, default=256, help="prefill chunk (default 256)")
+    v.add_argument("--cache-dir", default=None, help="folder for page files")
     return ap
+
+
+def _validate(a) -> int:
+    from cfr_atlas.engine import load_model
+    from cfr_atlas.validate import run_validation
+
+    model = load_model(a.model)
+    report = run_validation(model, tokens=a.tokens, kv_budget=a.kv_budget,
+                            regenerator=a.regenerator, continuation=a.continuation,
+                            chunk_tokens=a.chunk_tokens, cache_dir=a.cache_dir)
+    print(report.table())
+    return 0 if report.passed else 1
 
 
 def _kv_options(a) -> dict:
@@ -145,16 +168,14 @@ def _inspect(a) -> None:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    t0 = time.perf_counter()
+    commands = {"generate": _generate, "chat": _chat, "inspect": _inspect, "validate": _validate}
     try:
-        {"generate": _generate, "chat": _chat, "inspect": _inspect}[args.cmd](args)
+        return commands[args.cmd](args) or 0
     except AtlasError as e:
         print(f"cfr-atlas: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    del t0
-    return 0
 
 
 if __name__ == "__main__":

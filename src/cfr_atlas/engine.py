@@ -35,11 +35,7 @@ class Model:
         self.net.identity = self.identity
         self.config = self.net.config
         self.tokenizer = Tokenizer.from_gguf(gf.reader)
-        template = gf.meta("tokenizer.chat_template", None)
-        self.chat_template = ChatTemplate(template, self.tokenizer.token_to_piece(
-            self.tokenizer.bos_id) if self.tokenizer.bos_id is not None else "",
-            self.tokenizer.token_to_piece(self.tokenizer.eos_id)
-            if self.tokenizer.eos_id is not None else "")
+        self.chat_template = ChatTemplate.from_gguf(gf.reader, self.tokenizer)
         self.last_telemetry: dict = {}
 
     # --- text ------------------------------------------------------------------------------

@@ -44,10 +44,10 @@ def prefill(model, session, ids: np.ndarray, *, chunk_tokens: int = DEFAULT_CHUN
     """Run ids through the model in chunks; logits (T, vocab) if all_logits else (1, vocab)."""
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ConfigError("chunk_tokens", f"must be a positive integer, got {chunk_tokens!r}")
-    limit = model.config.context_length
+    limit = session.context_limit
     if session.n_tokens + len(ids) > limit:
-        raise CapacityError(f"{session.n_tokens + len(ids)} tokens exceed the model's context "
-                            f"length {limit}")
+        raise CapacityError(f"{session.n_tokens + len(ids)} tokens exceed the context limit "
+                            f"{limit} (the model's context length unless set)")
     out = []
     for a in range(0, len(ids), chunk_tokens):
         chunk = ids[a:a + chunk_tokens]
@@ -75,7 +75,7 @@ def generate_steps(model, session, prompt_ids, params: SamplingParams, *, max_to
         if token in eos_ids:
             yield Step(token, logits, "stop")
             return
-        if i + 1 == max_tokens or session.n_tokens + 1 > model.config.context_length:
+        if i + 1 == max_tokens or session.n_tokens + 1 > session.context_limit:
             yield Step(token, logits, "length")
             return
         yield Step(token, logits)

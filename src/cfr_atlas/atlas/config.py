@@ -113,6 +113,12 @@ class AtlasConfig:
     def scratch_pages(self) -> int:
         return self.scratch_tokens // self.page_tokens
 
+    @property
+    def scratch_bytes(self) -> int:
+        """Scratch slots plus, for 16-bit storage, the float32 staging rows regenerators fill."""
+        staging = 0 if self.dtype is StorageDtype.FLOAT32 else 2 * self.page_tokens * self.head_dim * 4
+        return self.scratch_pages * self.page_bytes + staging
+
     def query_scale(self) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
 

@@ -25,7 +25,7 @@ from cfr_atlas.atlas.config import AtlasConfig
 from cfr_atlas.atlas.hot_cache import HotCache
 from cfr_atlas.atlas.pages import PageKey, first_page, page_count
 from cfr_atlas.atlas.policy import KeepAll
-from cfr_atlas.atlas.storage import StorageDtype, round_rows
+from cfr_atlas.atlas.storage import StorageDtype, round_rows, widen
 from cfr_atlas.atlas.telemetry import Counters, Telemetry
 from cfr_atlas.errors import AtlasError, DimensionError, NumericError, PageError, RegeneratorError
 
@@ -83,6 +83,11 @@ def _per_head(name: str, value, n_head: int, n_grp: int, fill: float) -> np.ndar
     return arr
 
 
+def _overflows(stored: np.ndarray, dtype: StorageDtype) -> bool:
+    """True if rounding finite float32 rows to a 16-bit storage dtype produced inf."""
+    return dtype is not StorageDtype.FLOAT32 and not np.isfinite(widen(stored, dtype)).all()
+
+
 class _Batch:
     """Pages waiting for one fold call: parallel lists of small arrays, concatenated at flush."""
 
@@ -136,11 +141,10 @@ class Atlas:
                                  f"{getattr(q, 'shape', type(q).__name__)}")
         D = q.shape[-1]
         q4 = q.reshape((q.shape[0] if q.ndim == 3 else 1), 1, -1 if q.ndim > 1 else 1, D)
-        n_grp = q4.shape[2]
-        alibi = None if request.alibi_slope is None else np.broadcast_to(
-            np.asarray(request.alibi_slope, dtype=np.float32), (n_grp,))[None]
-        sinks = None if request.sink is None else np.broadcast_to(
-            np.asarray(request.sink, dtype=np.float32), (n_grp,))[None]
+        # (1, ...) for the one K/V head; attend_heads broadcasts to (1, G) or raises DimensionError
+        alibi = None if request.alibi_slope is None else \
+            np.asarray(request.alibi_slope, dtype=np.float32)[None]
+        sinks = None if request.sink is None else np.asarray(request.sink, dtype=np.float32)[None]
         if out is not None:
             self._check_out(out, q.shape)
         result = self.attend_heads(backend, request.layer, [request.kv_head], q4,
@@ -164,6 +168,8 @@ class Atlas:
         cfg = self.config
         layer = _check_index("layer", layer, 1 << 20)
         heads = [_check_index("kv_head", h, 1 << 16) for h in kv_heads]
+        if not heads or len(set(heads)) != len(heads):  # a repeated head would be admitted twice
+            raise PageError(f"kv_heads must be distinct and non-empty, got {heads}")
         q = self._check_query(query, len(heads))
         n_tok, n_head, n_grp, _ = q.shape
         context = _check_index("context_tokens", context_tokens)
@@ -219,7 +225,12 @@ class Atlas:
                 raise NumericError(f"{name} for tokens from {start} are not finite")
         heads = list(range(k_rows.shape[1])) if kv_heads is None else [
             _check_index("kv_head", h, 1 << 16) for h in kv_heads]
+        if len(heads) != k_rows.shape[1]:
+            raise DimensionError(f"kv_heads names {len(heads)} heads but the rows hold "
+                                 f"{k_rows.shape[1]}")
         k_st, v_st = round_rows(k_rows, cfg.dtype), round_rows(v_rows, cfg.dtype)
+        if _overflows(k_st, cfg.dtype) or _overflows(v_st, cfg.dtype):
+            raise NumericError(f"rows for tokens from {start} overflow {cfg.storage_dtype}")
         policy = KeepAll() if policy is None else policy
         context = start + k_rows.shape[0]
         self._tick += 1
@@ -257,7 +268,7 @@ class Atlas:
         return Telemetry(total=Counters(**vars(self._total)), last_call=Counters(**vars(self._last)),
                          resident_bytes=self.cache.resident_bytes, peak_resident_bytes=self._peak,
                          resident_pages=self.cache.resident_pages(),
-                         scratch_bytes=self._scratch_k.nbytes + self._scratch_v.nbytes,
+                         scratch_bytes=cfg.scratch_bytes,
                          budget_bytes=cfg.hot_cache_bytes)
 
     # --- internals -------------------------------------------------------------------------
@@ -382,6 +393,9 @@ class Atlas:
         if staged:
             round_rows(k_out, cfg.dtype, out=self._scratch_k[slot, :n])
             round_rows(v_out, cfg.dtype, out=self._scratch_v[slot, :n])
+            if _overflows(self._scratch_k[slot, :n], cfg.dtype) or \
+                    _overflows(self._scratch_v[slot, :n], cfg.dtype):
+                raise NumericError(f"regenerated rows overflow {cfg.storage_dtype}", key)
         c.regenerations += 1
         c.bytes_regenerated += n * cfg.row_bytes
         if cfg.admit_regenerated_pages and policy.admits(key, cfg.page_tokens, context):
@@ -432,3 +446,6 @@ class Atlas:
     def _wipe_scratch(self) -> None:
         self._scratch_k.fill(0)
         self._scratch_v.fill(0)
+        if self._stage_k is not None:  # float32 staging rows of 16-bit storage hold K/V too
+            self._stage_k.fill(0)
+            self._stage_v.fill(0)

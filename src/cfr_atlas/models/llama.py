@@ -18,6 +18,7 @@ import numpy as np
 
 from cfr_atlas.errors import ModelFormatError, UnsupportedArchitectureError
 from cfr_atlas.models.gguf_io import GGUFFile
+from cfr_atlas.models.recompute import kv_head_weights
 from cfr_atlas.ops import rms_norm, rope_cos_sin, rope_freqs, rotate, swiglu
 from cfr_atlas.quant import QuantWeight
 
@@ -157,13 +158,20 @@ class LlamaModel:
         c = self.config
         self.rope_freqs = rope_freqs(c.rope_dims, theta=c.rope_theta,
                                      freq_scale=c.rope_freq_scale)
+        # per-head K/V projections for exact recomputation (a copy of the K/V rows only)
+        self.kv_weights = [kv_head_weights(gf, c, i) for i in range(c.n_layers)]
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """ids (T,) -> (T, dim) float32 rows of the embedding table."""
         return self.weights.embed.rows(ids)
 
-    def qkv(self, layer: int, x: np.ndarray, positions: np.ndarray):
-        """Layer input x (T, dim) -> q (T, n_heads, hd), k, v (T, n_kv, hd), RoPE applied.
+    def rope(self, positions: np.ndarray):
+        """positions (T,) -> (cos, sin) tables, a pure function of each position."""
+        return rope_cos_sin(positions, self.rope_freqs)
+
+    def qkv(self, layer: int, x: np.ndarray, rope):
+        """Layer input x (T, dim), rope = self.rope(positions) -> q (T, n_heads, hd), k, v
+        (T, n_kv, hd), RoPE applied.
 
         This is also what a recompute regenerator replays: the same kernels on the same rows.
         """
@@ -176,7 +184,7 @@ class LlamaModel:
         q = qkv[:, :nq].reshape(T, c.n_heads, hd)
         k = qkv[:, nq:nq + nkv].reshape(T, c.n_kv_heads, hd)
         v = np.ascontiguousarray(qkv[:, nq + nkv:].reshape(T, c.n_kv_heads, hd))
-        cos, sin = rope_cos_sin(positions, self.rope_freqs)
+        cos, sin = rope
         q = rotate(np.ascontiguousarray(q), cos, sin, mode=c.rope_mode)
         k = rotate(np.ascontiguousarray(k), cos, sin, mode=c.rope_mode)
         return q, k, v
@@ -191,8 +199,9 @@ class LlamaModel:
         pos0 = session.n_tokens
         positions = np.arange(pos0, pos0 + T, dtype=np.int64)
         x = self.embed(ids)
+        rope = self.rope(positions)
         for i, lay in enumerate(w.layers):
-            q, k, v = self.qkv(i, x, positions)
+            q, k, v = self.qkv(i, x, rope)
             session.store_kv(i, pos0, x, k, v)
             q = q.reshape(T, c.n_kv_heads, c.group, c.head_dim)
             attn = session.attend(i, q, pos0 + T)

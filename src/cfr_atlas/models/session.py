@@ -15,6 +15,7 @@ import numpy as np
 from cfr_atlas.atlas import Atlas, AtlasConfig, KeepRecent, PageKey
 from cfr_atlas.errors import ConfigError, RegeneratorError
 from cfr_atlas.kv import SpillKv
+from cfr_atlas.models.recompute import RecomputeKv
 
 UNBOUNDED = 1 << 40
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10,
@@ -47,9 +48,11 @@ class Session:
     """K/V state of one sequence for a `LlamaModel` (see module docstring)."""
 
     def __init__(self, model, *, kv_budget=None, regenerator: str = "spill", policy=None,
-                 storage_dtype: str = "float32", page_tokens: int = 256, cache_dir=None):
+                 storage_dtype: str = "float32", page_tokens: int = 256, cache_dir=None,
+                 context_limit: int | None = None):
         c = model.config
         self.model = model
+        self.context_limit = c.context_length if context_limit is None else context_limit
         probe = AtlasConfig(page_tokens=page_tokens, head_dim=c.head_dim,
                             storage_dtype=storage_dtype)
         if kv_budget is None:
@@ -57,7 +60,7 @@ class Session:
             self.budget = None
         else:
             self.budget = parse_bytes(kv_budget)
-            scratch = 2 * probe.page_bytes if probe.dtype.itemsize != 4 else probe.page_bytes
+            scratch = probe.scratch_bytes
             if self.budget < scratch:
                 raise ConfigError("kv_budget", f"{self.budget} bytes is below one page of "
                                                f"scratch ({scratch} bytes at page_tokens "
@@ -72,9 +75,11 @@ class Session:
         elif regenerator == "spill":
             self.backend = SpillKv(cache_dir, page_tokens, c.head_dim, probe.dtype,
                                    model.identity)
+        elif regenerator == "recompute":
+            self.backend = RecomputeKv(model)
         else:
             raise ConfigError("regenerator", f"unknown regenerator {regenerator!r} "
-                                             "(choose: spill)")
+                                             "(choose: spill, recompute)")
         self.n_tokens = 0
         self._heads = list(range(c.n_kv_heads))
 
@@ -84,6 +89,8 @@ class Session:
         if isinstance(self.backend, SpillKv):
             for h in self._heads:
                 self.backend.write(layer, h, pos0, k_st[:, h], v_st[:, h])
+        elif isinstance(self.backend, RecomputeKv):
+            self.backend.write(layer, pos0, x)
 
     def attend(self, layer: int, q: np.ndarray, context: int) -> np.ndarray:
         """q (T, n_kv, group, hd) -> (T, n_kv, group, hd) over the whole causal context."""

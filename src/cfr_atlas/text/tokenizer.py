@@ -120,16 +120,18 @@ def _build_hf(
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     hf.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
     hf.decoder = decoders.ByteLevel()
-    added = lambda kind, special: [  # noqa: E731
-        AddedToken(tokens[i], special=special, normalized=False) for i in _ids_of(types, kind)
-    ]
-    hf.add_special_tokens(added(TokenType.CONTROL, True))
-    hf.add_tokens(added(TokenType.USER_DEFINED, False))
+    # Matched verbatim in the raw text before pre-tokenization; ids are their vocab ids.
+    hf.add_special_tokens(_added(tokens, types, TokenType.CONTROL, special=True))
+    hf.add_tokens(_added(tokens, types, TokenType.USER_DEFINED, special=False))
     return hf
 
 
 def _ids_of(types: Sequence[int], kind: TokenType) -> list[int]:
     return [i for i, t in enumerate(types) if t == kind]
+
+
+def _added(tokens: Sequence[str], types: Sequence[int], kind: TokenType, special: bool):
+    return [AddedToken(tokens[i], special=special, normalized=False) for i in _ids_of(types, kind)]
 
 
 def _resolve_pre(name: str | None) -> tuple[str, PreTokenizer]:
@@ -163,8 +165,9 @@ class Tokenizer:
         add_bos: bool | None = None,
         add_eos: bool = False,
     ):
-        types = [int(t) for t in token_types] if token_types is not None else []
-        types = types or [int(TokenType.NORMAL)] * len(tokens)
+        if token_types is None or len(token_types) == 0:
+            token_types = [TokenType.NORMAL] * len(tokens)
+        types = [int(t) for t in token_types]
         if len(types) != len(tokens):
             raise ModelFormatError(f"{len(types)} token types for {len(tokens)} tokens")
         self.vocab_size = len(tokens)
@@ -207,7 +210,9 @@ class Tokenizer:
 
     def _check_id(self, name: str, token_id: int | None) -> int | None:
         if token_id is not None and not 0 <= int(token_id) < self.vocab_size:
-            raise ModelFormatError(f"{name} {token_id} is outside the vocabulary of {self.vocab_size}")
+            raise ModelFormatError(
+                f"{name} {token_id} is outside the vocabulary of {self.vocab_size}"
+            )
         return None if token_id is None else int(token_id)
 
     def _end_of_generation(self, extra_ids: Iterable[int]) -> frozenset[int]:
@@ -216,7 +221,9 @@ class Tokenizer:
         ids.update(i for i, t in enumerate(self._tokens) if t in END_OF_GENERATION_TEXTS)
         return frozenset(ids - {None})
 
-    def encode(self, text: str, add_bos: bool | None = None, add_eos: bool | None = None) -> list[int]:
+    def encode(
+        self, text: str, add_bos: bool | None = None, add_eos: bool | None = None
+    ) -> list[int]:
         """str -> token ids. Control tokens written in `text` (e.g. `<|im_start|>`) become their
         single ids. BOS/EOS are added per GGUF metadata unless `add_bos` / `add_eos` say otherwise.
         """
@@ -238,7 +245,9 @@ class Tokenizer:
     def token_to_piece(self, token_id: int) -> bytes:
         """Exact bytes token `token_id` adds to decoded text (may be part of a UTF-8 char)."""
         if not 0 <= token_id < self.vocab_size:
-            raise DimensionError(f"token id {token_id} is outside the vocabulary of {self.vocab_size}")
+            raise DimensionError(
+                f"token id {token_id} is outside the vocabulary of {self.vocab_size}"
+            )
         return self._pieces[token_id]
 
     def is_control(self, token_id: int) -> bool:

@@ -1,0 +1,85 @@
+"""The one table of weight formats: GGML type ids, block sizes, and what each format module provides.
+
+`QType` carries the GGML ids; `BLOCKS` gives `(block elements, block bytes)` per format with the
+bytes written as their parts, so every size elsewhere derives from here. `Codec` is the set of
+functions a format module fills in; `QuantWeight` picks one by `QType` and never branches on the
+format itself. This module holds no arithmetic and imports no format module (they import it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple
+
+import gguf
+import numpy as np
+
+from cfr_atlas.errors import DimensionError, UnsupportedQuantError
+
+
+class QType(Enum):
+    """Weight formats cfr-atlas implements; values are the GGML type ids used in GGUF files."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q8_0 = 8
+    BF16 = 30
+
+
+class BlockSize(NamedTuple):
+    elements: int  # weights per block
+    bytes: int  # bytes per block
+
+
+BLOCKS: dict[QType, BlockSize] = {
+    QType.F32: BlockSize(1, 4),
+    QType.F16: BlockSize(1, 2),
+    QType.BF16: BlockSize(1, 2),
+    QType.Q4_0: BlockSize(32, 2 + 16),  # f16 scale d, 32 x 4-bit q
+    QType.Q4_1: BlockSize(32, 2 + 2 + 16),  # f16 scale d, f16 min m, 32 x 4-bit q
+    QType.Q8_0: BlockSize(32, 2 + 32),  # f16 scale d, 32 x int8 q
+}
+
+
+def qtype_from_gguf(ggml_type: gguf.GGMLQuantizationType | QType, tensor: str) -> QType:
+    """The QType of a GGUF tensor type; UnsupportedQuantError(type name, tensor) for the rest."""
+    if isinstance(ggml_type, QType):
+        return ggml_type
+    try:
+        return QType(int(ggml_type))
+    except ValueError:
+        name = getattr(ggml_type, "name", str(ggml_type))
+        raise UnsupportedQuantError(name, tensor) from None
+
+
+def row_bytes(qtype: QType, cols: int) -> int:
+    """Bytes of one stored row of `cols` weights; DimensionError if cols splits a block."""
+    block = BLOCKS[qtype]
+    if cols <= 0 or cols % block.elements:
+        raise DimensionError(
+            f"row size {cols} is not a positive multiple of the {qtype.name} block size "
+            f"{block.elements}"
+        )
+    return cols // block.elements * block.bytes
+
+
+@dataclass(frozen=True)
+class Codec:
+    """What one format provides. `raw` is uint8 (rows, row_bytes) as stored in the GGUF; `tiles`
+    is the format's repacked NamedTuple; `x` (T, K) float32 and `out` (T, N) float32.
+
+    matmul and matmul_numpy (the twin) compute out = x @ W.T with the same per-element
+    operation order (see tiles.py), so they agree bit for bit.
+    """
+
+    qtype: QType
+    raw_dtype: np.dtype  # element dtype gguf's reader hands out (uint8 for block formats)
+    dequantize: Callable[[np.ndarray], np.ndarray]  # raw -> (rows, cols) float32
+    repack: Callable[[np.ndarray], tuple]  # raw -> tiles
+    unpack_rows: Callable[..., np.ndarray]  # (tiles, ids, out) -> (len(ids), cols) float32
+    matmul: Callable[[np.ndarray, tuple, np.ndarray], None]  # numba kernel, fills out
+    matmul_numpy: Callable[[np.ndarray, tuple, np.ndarray], None]  # the NumPy twin

@@ -1,0 +1,68 @@
+"""The row-tile layout every kernel reads, and the reduction order that makes them batch-invariant.
+
+Layout. A weight matrix (N, K) is cut into tiles of TILE_ROWS consecutive output rows (the last
+tile zero-padded). A tile is stored column-major and flat: the element at row i * TILE_ROWS + r,
+column c lives at tiles[i, c * TILE_ROWS + r]. One tile column is one 16-lane float32 vector, so
+kernels vectorize across output rows while each row keeps its own scalar accumulation order.
+Per-block scales use the same layout with one column per block.
+
+Reduction order, the batch-invariance contract. For output (t, n) and each block b of QK
+columns starting at k0, with w the dequantized-but-unscaled weight (q, or the float value):
+
+    s_j = w[k0 + j] * x[k0 + j]                          j = 0 .. PHASES - 1
+    s_j = s_j + w[k0 + j + PHASES i] * x[k0 + j + PHASES i]   i = 1 .. QK / PHASES - 1, in order
+    S_b = (s_0 + s_1) + (s_2 + s_3)
+    acc = 0, then acc = acc + term_b for b = 0 .. nb - 1, in order
+
+where term_b is d_b * S_b (Q8_0, Q4_0), d_b * S_b + m_b * X_b (Q4_1, X_b the block sum of x in
+the same phase order) or S_b (floats). Each step is one IEEE float32 operation rounded to
+nearest-even: numba runs without fastmath, so LLVM neither reassociates nor contracts a * b + c
+into an FMA, and the NumPy twins apply the same operations elementwise. The order depends on
+(t, n) only, not on T, on which tokens share a call, or on which thread owns the tile; hence
+matmul(X)[t] == matvec(X[t]) bit for bit. Kernels may share one weight load between two tokens;
+that changes no operation of either token.
+
+This module holds the constants and the NumPy helpers that build and read tiles; no kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+TILE_ROWS = 16  # output rows per tile: one 512-bit (or two 256-bit) float32 vector
+PHASES = 4  # independent partial sums per block: column k0 + k feeds s_(k % PHASES)
+FLOAT_BLOCK = 32  # reduction block of the float formats, which have no quant block of their own
+
+
+def n_tiles(rows: int) -> int:
+    return -(-rows // TILE_ROWS)
+
+
+def to_tiles(a: np.ndarray) -> np.ndarray:
+    """a (N, C) -> (n_tiles, C * TILE_ROWS) in a's dtype, rows zero-padded to whole tiles."""
+    rows, cols = a.shape
+    padded = np.zeros((n_tiles(rows) * TILE_ROWS, cols), dtype=a.dtype)
+    padded[:rows] = a
+    tiled = padded.reshape(-1, TILE_ROWS, cols).transpose(0, 2, 1)
+    return np.ascontiguousarray(tiled).reshape(-1, cols * TILE_ROWS)
+
+
+def gather_rows(tiles: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """tiles (n_tiles, C * TILE_ROWS), ids (n,) int -> (n, C): rows `ids` of the untiled matrix."""
+    cols = tiles.shape[1] // TILE_ROWS
+    return tiles.reshape(-1, cols, TILE_ROWS)[ids // TILE_ROWS, :, ids % TILE_ROWS]
+
+
+def phase_view(a: np.ndarray, block: int) -> np.ndarray:
+    """a (..., nb * block) -> (..., nb, block // PHASES, PHASES): column k0 + PHASES i + j at
+    [..., b, i, j], the order the reduction walks a block (twins and block sums use it)."""
+    return a.reshape(*a.shape[:-1], -1, block // PHASES, PHASES)
+
+
+def phase_sum(terms: np.ndarray) -> np.ndarray:
+    """terms (..., steps, PHASES, L) -> (..., L): s_j summed over steps in order, then
+    (s_0 + s_1) + (s_2 + s_3), the block reduction of the contract, elementwise in float32."""
+    s = terms[..., 0, :, :]
+    for i in range(1, terms.shape[-3]):
+        s = s + terms[..., i, :, :]
+    return (s[..., 0, :] + s[..., 1, :]) + (s[..., 2, :] + s[..., 3, :])

@@ -1,0 +1,98 @@
+"""The numba fold kernels against their NumPy twins (`fold_runs_numpy`, `merge_partitions_numpy`).
+
+Tolerances: the twin computes scores with a BLAS matmul (a different summation order from the
+kernel's eight partial sums), so the two score sets differ by up to 2 * gamma(D + 10) * (scale *
+sum_e |q_e K_je| + softcap + |slope| * n), gamma(k) = k * 2**-24 / (1 - k * 2**-24); the outputs
+then differ by at most twice the softmax perturbation bound of atlas_reference.error_bound.
+The merges see identical float64 states and differ only in combination order (the twin uses
+one global max, the kernel a running one): a few float64 ulps, so at most one float32 ulp of
+the output after the final cast (asserted as 2**-23 relative, plus 2**-126 absolute).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cfr_atlas.atlas import fold
+from cfr_atlas.atlas.storage import StorageDtype, round_rows, widen
+
+U32 = 2.0**-24
+
+
+def _problem(rng, dtype: StorageDtype, *, T=3, H=2, G=2, D=12, P=5, context=33, split=2,
+             window=0, softcap=0.0, alibi=False, sinks=False):
+    S, C = 9, 4
+    q = rng.standard_normal((T, H, G, D)).astype(np.float32)
+    k_hot, v_hot = (round_rows(rng.uniform(-2, 2, (S, P, D)).astype(np.float32), dtype)
+                    for _ in range(2))
+    k_scr, v_scr = (round_rows(rng.uniform(-2, 2, (C, P, D)).astype(np.float32), dtype)
+                    for _ in range(2))
+    n_pages = -(-context // P)
+    cols = {name: [] for name in ("src", "slot", "start", "len", "head", "part")}
+    for h in range(H):
+        for page in range(n_pages):
+            src = int(rng.integers(0, 2))
+            cols["src"].append(src)
+            cols["slot"].append(int(rng.integers(0, S if src == fold.SRC_HOT else C)))
+            cols["start"].append(page * P)
+            cols["len"].append(min(P, context - page * P))
+            cols["head"].append(h)
+            cols["part"].append(page // split)
+    cols = {k: np.asarray(v, dtype=np.int64) for k, v in cols.items()}
+    key = cols["head"] * 1000 + cols["part"]
+    run_begin = np.concatenate(([0], np.flatnonzero(np.diff(key)) + 1, [len(key)]))
+    slopes = rng.uniform(0, 0.5, (H, G)) if alibi else np.zeros((H, G))
+    sink = rng.uniform(-2, 2, (H, G)) if sinks else np.full((H, G), np.nan)
+    if sinks:
+        sink[0, 0] = np.nan  # a head without a sink beside heads with one
+    args = (q, np.arange(context - T, context, dtype=np.int64), k_hot, v_hot, k_scr, v_scr,
+            dtype.code, cols["src"], cols["slot"], cols["start"], cols["len"],
+            run_begin.astype(np.int64), cols["head"][run_begin[:-1]],
+            cols["part"][run_begin[:-1]], np.float32(1 / math.sqrt(D)), np.float32(softcap),
+            slopes.astype(np.float32), window)
+    n_part = -(-n_pages // split)
+    widest = max(np.abs(widen(a, dtype)).max() for a in (k_hot, k_scr))
+    vmax = max(np.abs(widen(a, dtype)).max() for a in (v_hot, v_scr))
+    magnitude = (np.abs(q).sum(axis=-1).max() * widest / math.sqrt(D) + softcap
+                 + slopes.max() * context)
+    gamma = (D + 10) * U32 / (1 - (D + 10) * U32)
+    tol = 2 * (2 * math.expm1(gamma * magnitude) * math.exp(gamma * magnitude) + U32) * vmax
+    return args, (T, H, n_part, G, D), sink.astype(np.float32), tol
+
+
+def _state(T, H, n_part, G, D):
+    return (np.full((T, H, n_part, G), -np.inf), np.zeros((T, H, n_part, G)),
+            np.zeros((T, H, n_part, G, D)))
+
+
+CASES = {
+    "plain": {}, "window": dict(window=7), "softcap": dict(softcap=3.0),
+    "alibi+sinks": dict(alibi=True, sinks=True), "one page": dict(context=4, T=2),
+    "D=8": dict(D=8, P=3), "D=3": dict(D=3, G=1), "all": dict(window=12, softcap=2.0, alibi=True,
+                                                              sinks=True, split=3),
+}
+
+
+@pytest.mark.parametrize("dtype", list(StorageDtype), ids=lambda d: d.value)
+@pytest.mark.parametrize("case", CASES)
+def test_fold_and_merge_match_numpy_twins(dtype, case):
+    rng = np.random.default_rng(len(case))
+    args, shape, sinks, tol = _problem(rng, dtype, **CASES[case])
+    m1, l1, acc1 = _state(*shape)
+    m2, l2, acc2 = _state(*shape)
+    fold.fold_runs(*args, m1, l1, acc1)
+    fold.fold_runs_numpy(*args, m2, l2, acc2)
+    assert np.array_equal(np.isinf(m1), np.isinf(m2))  # the same partitions saw tokens
+    assert np.array_equal(l1 == 0, l2 == 0)
+
+    out_kernel, out_twin = (np.empty(shape[:2] + shape[3:], dtype=np.float32) for _ in range(2))
+    fold.merge_partitions(m1, l1, acc1, sinks, out_kernel)
+    fold.merge_partitions_numpy(m2, l2, acc2, sinks, out_twin)
+    assert np.abs(out_kernel - out_twin).max() <= tol
+
+    # merges on identical states: at most one float32 ulp apart
+    fold.merge_partitions_numpy(m1, l1, acc1, sinks, out_twin)
+    assert np.all(np.abs(out_kernel - out_twin) <= 2.0**-23 * np.abs(out_twin) + 2.0**-126)
