@@ -67,6 +67,16 @@ class Model:
             self.last_telemetry = s.telemetry_summary()
         return out
 
+    def embedding(self, text: str | list[int], **kv) -> np.ndarray:
+        """Mean of the final normalized hidden states over the input, L2-normalized: (dim,)."""
+        ids = check_ids(self.tokenize(text) if isinstance(text, str) else text,
+                        self.config.vocab_size)
+        with _closing(self.session(**kv)) as s:
+            h = np.concatenate([self.net.forward_chunk(s, ids[a:a + DEFAULT_CHUNK], hidden=True)
+                                for a in range(0, len(ids), DEFAULT_CHUNK)])
+        v = h.astype(np.float64).mean(axis=0)
+        return (v / max(np.linalg.norm(v), 1e-12)).astype(np.float32)
+
     # --- generation ------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], *, max_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,

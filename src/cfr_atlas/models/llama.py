@@ -189,8 +189,10 @@ class LlamaModel:
         k = rotate(np.ascontiguousarray(k), cos, sin, mode=c.rope_mode)
         return q, k, v
 
-    def forward_chunk(self, session, ids: np.ndarray, *, all_logits: bool = True) -> np.ndarray:
-        """Tokens ids (T,) at positions session.n_tokens ... -> logits (T or 1, vocab) float32.
+    def forward_chunk(self, session, ids: np.ndarray, *, all_logits: bool = True,
+                      hidden: bool = False) -> np.ndarray:
+        """Tokens ids (T,) at positions session.n_tokens ... -> logits (T or 1, vocab) float32,
+        or with hidden=True the final normalized hidden states (T or 1, dim).
 
         Appends the chunk's K/V to the session. Every row's arithmetic is independent of T.
         """
@@ -211,4 +213,5 @@ class LlamaModel:
         session.n_tokens = pos0 + T
         if not all_logits:
             x = x[-1:]
-        return w.output.matmul(rms_norm(x, w.output_norm, c.norm_eps))
+        x = rms_norm(x, w.output_norm, c.norm_eps)
+        return x if hidden else w.output.matmul(x)
