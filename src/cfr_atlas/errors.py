@@ -74,3 +74,73 @@ class UnsupportedArchitectureError(ModelFormatError):
 
 class KvPoolExhausted(CapacityError):
     """The paged block pool has no free block; raised before any state changes."""
+
+
+class BlockLayoutError(AtlasError, ValueError):
+    """A K/V block size does not fit the model's sliding window (both numbers in the message)."""
+
+
+class CorruptBlockError(CorruptPageError):
+    """A stored K/V block failed a check: length, magic, declared sizes, checksum or file name."""
+
+
+class IncompatibleBlockError(PageError):
+    """A stored K/V block is intact but was made for another cache signature or format version;
+    `field` names the first difference."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+# --- serving (cfr_atlas.serve) and HTTP clients (cfr_atlas.ollama) -------------------------------
+
+
+class ModelNotFoundError(AtlasError, LookupError):
+    """A request names a model that the server does not serve (HTTP 404)."""
+
+
+class QueueFullError(CapacityError):
+    """The server's request queue is full (HTTP 429); `retry_after` is whole seconds to wait."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ApiError(AtlasError):
+    """An HTTP API answered with a non-2xx status: `status`, the server's `message`, `url`."""
+
+    def __init__(self, status: int, message: str, url: str):
+        super().__init__(f"{url}: HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+        self.url = url
+
+
+class ApiBadRequestError(ApiError):
+    """HTTP 400/422: the server refused the request's content (bad option, prompt too long)."""
+
+
+class ApiNotFoundError(ApiError):
+    """HTTP 404: unknown model or endpoint."""
+
+
+class ApiBusyError(ApiError):
+    """HTTP 429 or 503: the server is at capacity; `retry_after` seconds if it said so."""
+
+    def __init__(self, status: int, message: str, url: str, retry_after: float | None = None):
+        super().__init__(status, message, url)
+        self.retry_after = retry_after
+
+
+class ApiServerError(ApiError):
+    """HTTP 5xx other than 503: the server failed."""
+
+
+class ApiConnectionError(AtlasError):
+    """An HTTP API could not be reached (refused, timed out) or broke off a stream."""
+
+
+class ExactKvUnavailableError(AtlasError):
+    """Exact per-layer K/V was requested through an API that cannot expose it."""

@@ -81,3 +81,9 @@ def test_str_renders_a_table():
         assert any(line.startswith(name) for line in lines), name
     assert len({len(line) for line in lines}) == 1  # columns aligned
     assert text == atlas.telemetry().table()
+
+
+def test_scratch_bytes_count_16bit_staging_rows():
+    cfg = AtlasConfig(page_tokens=P, head_dim=D, storage_dtype="bfloat16", max_scratch_tokens=3 * P)
+    tel = Atlas(cfg).telemetry()
+    assert tel.scratch_bytes == 3 * P * 2 * D * 2 + 2 * P * D * 4  # 3 pages + float32 staging

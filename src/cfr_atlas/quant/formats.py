@@ -1,4 +1,4 @@
-"""The one table of weight formats: GGML type ids, block sizes, and what each format module provides.
+"""The one table of weight formats: GGML type ids, block sizes, what a format module provides.
 
 `QType` carries the GGML ids; `BLOCKS` gives `(block elements, block bytes)` per format with the
 bytes written as their parts, so every size elsewhere derives from here. `Codec` is the set of
@@ -80,6 +80,6 @@ class Codec:
     raw_dtype: np.dtype  # element dtype gguf's reader hands out (uint8 for block formats)
     dequantize: Callable[[np.ndarray], np.ndarray]  # raw -> (rows, cols) float32
     repack: Callable[[np.ndarray], tuple]  # raw -> tiles
-    unpack_rows: Callable[..., np.ndarray]  # (tiles, ids, out) -> (len(ids), cols) float32
+    unpack_rows: Callable[..., np.ndarray]  # (tiles, ids or slice, out) -> (n, cols) float32
     matmul: Callable[[np.ndarray, tuple, np.ndarray], None]  # numba kernel, fills out
     matmul_numpy: Callable[[np.ndarray, tuple, np.ndarray], None]  # the NumPy twin

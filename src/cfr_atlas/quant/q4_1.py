@@ -67,8 +67,9 @@ def repack(raw: np.ndarray) -> Tiles:
     return Tiles(to_tiles(q), to_tiles(d), to_tiles(m))
 
 
-def unpack_rows(tiles: Tiles, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Rows `ids` of the dequantized matrix, (len(ids), K) float32, equal to dequantize(raw)[ids]."""
+def unpack_rows(tiles: Tiles, ids: np.ndarray | slice,
+                out: np.ndarray | None = None) -> np.ndarray:
+    """Rows `ids` of the dequantized matrix: (len(ids), K) float32 == dequantize(raw)[ids]."""
     q, d, m = (gather_rows(a, ids) for a in tiles)
     out = np.empty(q.shape, dtype=np.float32) if out is None else out
     return _values(d, m, q, out)

@@ -60,8 +60,9 @@ def repack(raw: np.ndarray) -> Tiles:
     return Tiles(to_tiles(q), to_tiles(d))
 
 
-def unpack_rows(tiles: Tiles, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Rows `ids` of the dequantized matrix, (len(ids), K) float32, equal to dequantize(raw)[ids]."""
+def unpack_rows(tiles: Tiles, ids: np.ndarray | slice,
+                out: np.ndarray | None = None) -> np.ndarray:
+    """Rows `ids` of the dequantized matrix: (len(ids), K) float32 == dequantize(raw)[ids]."""
     q, d = gather_rows(tiles.q, ids), gather_rows(tiles.d, ids)
     return values(d, q, np.empty(q.shape, dtype=np.float32) if out is None else out)
 

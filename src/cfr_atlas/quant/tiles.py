@@ -47,10 +47,14 @@ def to_tiles(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(tiled).reshape(-1, cols * TILE_ROWS)
 
 
-def gather_rows(tiles: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """tiles (n_tiles, C * TILE_ROWS), ids (n,) int -> (n, C): rows `ids` of the untiled matrix."""
+def gather_rows(tiles: np.ndarray, ids: np.ndarray | slice) -> np.ndarray:
+    """tiles (n_tiles, C * TILE_ROWS) -> (n, C): rows `ids` (int array or slice) of the untiled
+    matrix, a new array."""
     cols = tiles.shape[1] // TILE_ROWS
-    return tiles.reshape(-1, cols, TILE_ROWS)[ids // TILE_ROWS, :, ids % TILE_ROWS]
+    tiled = tiles.reshape(-1, cols, TILE_ROWS)
+    if isinstance(ids, slice):  # a run of rows: one strided copy instead of a gather
+        return tiled.transpose(0, 2, 1).reshape(-1, cols)[ids]
+    return tiled[ids // TILE_ROWS, :, ids % TILE_ROWS]
 
 
 def phase_view(a: np.ndarray, block: int) -> np.ndarray:

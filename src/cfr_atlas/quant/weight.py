@@ -1,0 +1,130 @@
+"""QuantWeight: one weight matrix in any supported format behind matvec / matmul / dequantize /
+rows, so the model never branches on the format.
+
+Holds the boundary checks (typed errors carrying the numbers) and the codec table by QType; the
+arithmetic lives in the format modules and trusts what this module passes on. Not here: reading
+GGUF files (models/ does), quantizing, BLAS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cfr_atlas.errors import DimensionError
+from cfr_atlas.quant import floats, q4_0, q4_1, q8_0
+from cfr_atlas.quant.formats import Codec, QType, qtype_from_gguf, row_bytes
+
+CODECS: dict[QType, Codec] = {
+    c.qtype: c for c in (q8_0.CODEC, q4_0.CODEC, q4_1.CODEC, *floats.CODECS)
+}
+
+
+def _describe(a) -> str:
+    if isinstance(a, np.ndarray):
+        order = "" if a.flags.c_contiguous else " non-contiguous"
+        return f"{a.dtype}{order} {a.shape}"
+    return type(a).__name__
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class QuantWeight:
+    """A (N, K) matrix W held in its quantized form, repacked into row tiles at load time.
+
+    y = W @ x for x (K,) and Y = X @ W.T for X (T, K). Every output element is reduced in one
+    fixed order (tiles.py), so matmul(X)[t] == matvec(X[t]) == matmul(X[a:b])[t - a] bitwise.
+    """
+
+    name: str
+    qtype: QType
+    shape: tuple[int, int]  # (N output rows, K input columns)
+    tiles: tuple  # the format module's Tiles
+
+    @classmethod
+    def from_raw(cls, name: str, qtype, raw: np.ndarray, shape: tuple[int, int]) -> QuantWeight:
+        """Repack raw GGUF data: (N, row_bytes) uint8 for block formats, (N, K) float32/float16
+        for F32/F16 (uint8 also accepted). qtype is a QType or a gguf.GGMLQuantizationType."""
+        qtype = qtype_from_gguf(qtype, name)
+        n, k = (int(s) for s in shape)
+        codec = CODECS[qtype]
+        raw = np.asarray(raw)
+        allowed = {np.dtype(np.uint8), codec.raw_dtype}
+        if raw.dtype not in allowed:
+            names = " or ".join(sorted(str(a) for a in allowed))
+            raise DimensionError(f"{name}: {qtype.name} data must be {names}, got {raw.dtype}")
+        if n <= 0:
+            raise DimensionError(f"{name}: need at least one row, got shape ({n}, {k})")
+        try:
+            need = n * row_bytes(qtype, k)
+        except DimensionError as e:
+            raise DimensionError(f"{name}: {e}") from None
+        if raw.nbytes != need:
+            raise DimensionError(
+                f"{name}: {raw.nbytes} bytes of {qtype.name} data, but shape ({n}, {k}) needs "
+                f"{need}"
+            )
+        rows = np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1)
+        return cls(name, qtype, (n, k), codec.repack(rows))
+
+    from_gguf = from_raw  # the name loaders use: (name, tensor.tensor_type, tensor.data, (N, K))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the repacked tiles."""
+        return sum(a.nbytes for a in self.tiles if isinstance(a, np.ndarray))
+
+    def matvec(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """x: (K,) float32 -> (N,) float32, W @ x."""
+        n, k = self.shape
+        self._check("x", x, (k,))
+        out = self._output(out, (n,))
+        CODECS[self.qtype].matmul(x.reshape(1, k), self.tiles, out.reshape(1, n))
+        return out
+
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """x: (T, K) float32 -> (T, N) float32, x @ W.T; row t equals matvec(x[t]) bitwise."""
+        n, k = self.shape
+        if not isinstance(x, np.ndarray) or x.ndim != 2:
+            raise DimensionError(f"{self.name}: x must be float32 (T, {k}), got {_describe(x)}")
+        self._check("x", x, (x.shape[0], k))
+        out = self._output(out, (x.shape[0], n))
+        CODECS[self.qtype].matmul(x, self.tiles, out)
+        return out
+
+    def rows(self, ids, out: np.ndarray | None = None) -> np.ndarray:
+        """ids: (n,) integer row ids -> (n, K) float32 rows of W (an embedding lookup); only the
+        requested rows are dequantized, each equal to the same row of dequantize()."""
+        n_rows, k = self.shape
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise DimensionError(f"{self.name}: ids must be 1-D integers, got {_describe(ids)}")
+        bad = ids[(ids < 0) | (ids >= n_rows)]
+        if bad.size:
+            raise DimensionError(f"{self.name}: row id {bad[0]} out of range for {n_rows} rows")
+        if out is not None:
+            self._check("out", out, (ids.shape[0], k))
+        return CODECS[self.qtype].unpack_rows(self.tiles, ids, out)
+
+    def dequantize(self, out: np.ndarray | None = None) -> np.ndarray:
+        """-> (N, K) float32, bitwise equal to gguf.quants.dequantize of the raw data."""
+        if out is not None:
+            self._check("out", out, self.shape)
+        return CODECS[self.qtype].unpack_rows(self.tiles, slice(0, self.shape[0]), out)
+
+    def _check(self, what: str, a, shape: tuple[int, ...]) -> None:
+        if (not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != shape
+                or not a.flags.c_contiguous):
+            raise DimensionError(
+                f"{self.name}: {what} must be C-contiguous float32 {shape}, got {_describe(a)}"
+            )
+
+    def _output(self, out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
+        if out is None:
+            return np.empty(shape, dtype=np.float32)
+        self._check("out", out, shape)
+        return out
+
+    def __repr__(self) -> str:
+        n, k = self.shape
+        return f"QuantWeight({self.name!r}, {self.qtype.name}, ({n}, {k}), {self.nbytes} bytes)"

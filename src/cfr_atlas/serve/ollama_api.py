@@ -1,0 +1,196 @@
+"""Ollama's API: /api/version, tags, show, ps, generate, chat, embed and the older embeddings.
+
+Responses carry Ollama's fields; durations are nanoseconds, measured: `total_duration` is the
+wall time from the request to the last byte's worth of work (queue wait included),
+`prompt_eval_duration` and `eval_duration` the worker's time on this sequence's prefill and
+decode steps, `load_duration` 0 (the model stays loaded). `prompt_eval_cached_count` is 0 until
+the prefix cache lands. The final object also carries our K/V telemetry under `cfr_atlas`.
+Request validation lives in `params`, error shapes and streaming in `http`.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from cfr_atlas.errors import ConfigError
+from cfr_atlas.serve.card import rfc3339
+from cfr_atlas.serve.http import endpoint, ndjson, ollama_error, read_json, stream, until_done
+from cfr_atlas.serve.params import (
+    chat_messages,
+    embed_inputs,
+    get_bool,
+    get_dimensions,
+    get_object,
+    get_str,
+    ollama_options,
+    refuse,
+)
+from cfr_atlas.serve.service import Handle, Service, shrink
+
+API_VERSION = "0.6.0"  # the Ollama release whose endpoints and fields this module follows
+_UNSUPPORTED = (("images", "the model reads text only"),
+                ("format", "no constrained JSON output"),
+                ("suffix", "no fill-in-the-middle"),
+                ("template", "the GGUF's own chat template is always used"),
+                ("context", "deprecated upstream; send the conversation to /api/chat"),
+                ("tools", "no tool calling"))
+
+
+def _service(request: Request) -> Service:
+    return request.app.state.service
+
+
+def _now() -> str:
+    return rfc3339(datetime.now(UTC))
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def done_fields(handle: Handle, outcome) -> dict:
+    return {"done": True, "done_reason": outcome.done_reason,
+            "total_duration": handle.elapsed_ns(), "load_duration": 0,
+            "prompt_eval_count": outcome.prompt_tokens, "prompt_eval_cached_count": 0,
+            "prompt_eval_duration": _ns(outcome.prompt_seconds),
+            "eval_count": outcome.eval_count, "eval_duration": _ns(outcome.eval_seconds),
+            "cfr_atlas": {**outcome.telemetry, "queue_seconds": outcome.queue_seconds}}
+
+
+async def _respond(request: Request, handle: Handle, name: str, streaming: bool, wrap):
+    """One JSON object, or NDJSON: a line per text piece, then the final line with stats."""
+    if not streaming:
+        text, outcome = await until_done(request, handle, handle.result())
+        return JSONResponse({"model": name, "created_at": _now(), **wrap(text),
+                             **done_fields(handle, outcome)})
+
+    def render(kind: str, value) -> bytes:
+        head = {"model": name, "created_at": _now()}
+        if kind == "text":
+            return ndjson({**head, **wrap(value), "done": False})
+        return ndjson({**head, **wrap(""), **done_fields(handle, value)})
+
+    return await stream(request, handle, render, lambda e: ndjson({"error": str(e)}),
+                        "application/x-ndjson")
+
+
+async def _request(request: Request) -> tuple[Service, dict, str]:
+    """The service, the JSON body and the resolved model name ("model", or legacy "name")."""
+    service = _service(request)
+    body = await read_json(request, service.config.max_body_bytes)
+    name = get_str(body, "model", None) or get_str(body, "name", None)
+    if not name:
+        raise ConfigError("model", "is required")
+    return service, body, service.card.resolve(name)
+
+
+@endpoint(ollama_error)
+async def generate(request: Request) -> Response:
+    service, body, name = await _request(request)
+    for key, why in _UNSUPPORTED:
+        refuse(body, key, why)
+    prompt = get_str(body, "prompt", "")
+    streaming = get_bool(body, "stream", True)
+    raw = get_bool(body, "raw", False)
+    system = get_str(body, "system", "")
+    opts = ollama_options(body, service.context_length)
+    if not prompt:  # Ollama's way to (pre)load a model
+        return JSONResponse({"model": name, "created_at": _now(), "response": "",
+                             "done": True, "done_reason": "load"})
+    if raw:
+        ids = service.tokenize(prompt)
+    else:
+        messages = ([{"role": "system", "content": system}] if system else [])
+        ids = service.chat_ids(messages + [{"role": "user", "content": prompt}])
+    handle = service.start_generation(ids, opts)
+    return await _respond(request, handle, name, streaming, lambda text: {"response": text})
+
+
+@endpoint(ollama_error)
+async def chat(request: Request) -> Response:
+    service, body, name = await _request(request)
+    for key, why in _UNSUPPORTED[1:]:
+        refuse(body, key, why)
+    messages = chat_messages(body)
+    streaming = get_bool(body, "stream", True)
+    opts = ollama_options(body, service.context_length)
+    handle = service.start_generation(service.chat_ids(messages), opts)
+    return await _respond(request, handle, name, streaming,
+                          lambda text: {"message": {"role": "assistant", "content": text}})
+
+
+@endpoint(ollama_error)
+async def embed(request: Request) -> Response:
+    service, body, name = await _request(request)
+    inputs = embed_inputs(body, "input", token_ids=False)
+    get_bool(body, "truncate", True)  # accepted, but a too-long input is always a 400
+    get_object(body, "options")
+    dims = get_dimensions(body, service.model.config.dim)
+    handle = service.start_embedding(inputs)
+    _, outcome = await until_done(request, handle, handle.result())
+    return JSONResponse({"model": name, "embeddings": [shrink(v, dims) for v in outcome.vectors],
+                         "total_duration": handle.elapsed_ns(), "load_duration": 0,
+                         "prompt_eval_count": outcome.prompt_tokens})
+
+
+@endpoint(ollama_error)
+async def embeddings(request: Request) -> Response:
+    """The older single-prompt endpoint: {"model", "prompt"} -> {"embedding": [...]}."""
+    service, body, _ = await _request(request)
+    prompt = get_str(body, "prompt", "")
+    get_object(body, "options")
+    if not prompt:
+        return JSONResponse({"embedding": []})
+    handle = service.start_embedding([prompt])
+    _, outcome = await until_done(request, handle, handle.result())
+    return JSONResponse({"embedding": outcome.vectors[0].tolist()})
+
+
+@endpoint(ollama_error)
+async def show(request: Request) -> Response:
+    service, body, _ = await _request(request)
+    card = service.card
+    return JSONResponse({
+        "license": str(card.metadata.get("general.license", "")),
+        "modelfile": f"# served by cfr-atlas\nFROM {card.path}\n",
+        "parameters": "", "template": card.template, "details": card.details,
+        "model_info": card.model_info(get_bool(body, "verbose", False)),
+        "capabilities": ["completion", "embedding"], "modified_at": card.modified_at})
+
+
+@endpoint(ollama_error)
+async def tags(request: Request) -> Response:
+    return JSONResponse({"models": [_service(request).card.summary()]})
+
+
+@endpoint(ollama_error)
+async def ps(request: Request) -> Response:
+    service = _service(request)
+    s = service.scheduler.stats()
+    return JSONResponse({"models": [{
+        **service.card.summary(), "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0,
+        "context_length": service.context_length,
+        "cfr_atlas": {"active": s.active, "queued": s.queued,
+                      "resident_kv_bytes": s.resident_kv_bytes}}]})
+
+
+async def version(request: Request) -> Response:
+    from cfr_atlas import __version__
+
+    return JSONResponse({"version": API_VERSION, "cfr_atlas": __version__})
+
+
+ROUTES = [
+    Route("/api/version", version, methods=["GET"]),
+    Route("/api/tags", tags, methods=["GET"]),
+    Route("/api/ps", ps, methods=["GET"]),
+    Route("/api/show", show, methods=["POST"]),
+    Route("/api/generate", generate, methods=["POST"]),
+    Route("/api/chat", chat, methods=["POST"]),
+    Route("/api/embed", embed, methods=["POST"]),
+    Route("/api/embeddings", embeddings, methods=["POST"]),
+]

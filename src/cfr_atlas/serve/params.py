@@ -1,0 +1,259 @@
+"""Request validation: typed field readers and the generation options of both APIs.
+
+Everything a client sends is checked here, at the boundary, and turned into plain values or a
+`GenOptions`; a bad value raises `ConfigError(field, message)` naming the field and the value,
+which the server answers with 400. Unknown fields are ignored (clients send many knobs we do
+not have); known fields of the wrong type or range are refused. No model work happens here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from cfr_atlas.errors import ConfigError
+from cfr_atlas.models.session import parse_bytes
+from cfr_atlas.sampling import SamplingParams
+
+_MISSING = object()
+
+
+def _type_name(value) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def get_str(body: Mapping, key: str, default=_MISSING, *, where: str = "") -> str | None:
+    """body[key] as a str; missing (or null) -> default, or a ConfigError if required."""
+    value = body.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise ConfigError(where + key, "is required")
+        return default
+    if not isinstance(value, str):
+        raise ConfigError(where + key, f"must be a string, got {_type_name(value)}")
+    return value
+
+
+def get_bool(body: Mapping, key: str, default: bool, *, where: str = "") -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(where + key, f"must be true or false, got {value!r}")
+    return value
+
+
+def get_number(body: Mapping, key: str, default=None, *, where: str = "") -> float | None:
+    """A finite int or float (never a bool or a numeric string)."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(where + key, f"must be a number, got {value!r}")
+    return value
+
+
+def get_int(body: Mapping, key: str, default=None, *, where: str = "") -> int | None:
+    """An int; a float with an integral value (4.0) is accepted as that int."""
+    value = get_number(body, key, where=where)
+    if value is None:
+        return default
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ConfigError(where + key, f"must be an integer, got {value!r}")
+        value = int(value)
+    return value
+
+
+def get_object(body: Mapping, key: str, *, where: str = "") -> Mapping:
+    value = body.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(where + key, f"must be an object, got {_type_name(value)}")
+    return value
+
+
+def get_stops(body: Mapping, key: str, *, where: str = "") -> tuple[str, ...]:
+    """A string or a list of strings."""
+    value = body.get(key)
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise ConfigError(where + key, f"must be a string or a list of strings, got {value!r}")
+
+
+def refuse(body: Mapping, key: str, why: str) -> None:
+    """A feature we do not implement: refuse a truthy value instead of silently ignoring it."""
+    if body.get(key):
+        raise ConfigError(key, f"is not supported by cfr-atlas ({why})")
+
+
+@dataclass(frozen=True)
+class GenOptions:
+    """Validated generation options shared by both APIs."""
+
+    sampling: SamplingParams
+    max_tokens: int | None  # None: until the context is full (or the server's default)
+    stops: tuple[str, ...] = ()
+    num_ctx: int | None = None  # context limit for this request; None: the model's
+    kv_budget: int | None = None  # bytes; None: the server's --kv-budget
+
+
+def _sampling(src: Mapping, where: str) -> SamplingParams:
+    """Engine defaults (greedy, every filter off) for whatever the client leaves out."""
+    seed = get_int(src, "seed", where=where)
+    kw = {
+        "temperature": get_number(src, "temperature", 0.0, where=where),
+        "top_k": get_int(src, "top_k", 0, where=where),
+        "top_p": get_number(src, "top_p", 1.0, where=where),
+        "min_p": get_number(src, "min_p", 0.0, where=where),
+        "repeat_penalty": get_number(src, "repeat_penalty", 1.0, where=where),
+        "repeat_last_n": get_int(src, "repeat_last_n", 64, where=where),
+        "seed": None if seed == -1 else seed,  # Ollama: -1 = a random seed
+    }
+    try:
+        return SamplingParams(**kw)
+    except ConfigError as e:
+        raise ConfigError(where + e.field, str(e).split(": ", 1)[1]) from None
+
+
+def _num_ctx(src: Mapping, where: str, context_length: int) -> int | None:
+    n = get_int(src, "num_ctx", where=where)
+    if n is not None and not 1 <= n <= context_length:
+        raise ConfigError(where + "num_ctx", f"must be in [1, {context_length}] (the model's "
+                                             f"context length), got {n}")
+    return n
+
+
+def _kv_budget(src: Mapping, where: str) -> int | None:
+    value = src.get("kv_budget")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigError(where + "kv_budget", f"must be a size such as \"4MiB\" or a byte "
+                                               f"count, got {value!r}")
+    try:
+        return parse_bytes(value)
+    except ConfigError as e:
+        raise ConfigError(where + "kv_budget", str(e).split(": ", 1)[1]) from None
+
+
+def ollama_options(body: Mapping, context_length: int) -> GenOptions:
+    """`options` of /api/generate and /api/chat (temperature, num_predict, stop, ...)."""
+    opts = get_object(body, "options")
+    where = "options."
+    n = get_int(opts, "num_predict", where=where)
+    if n is not None and n < -1:
+        raise ConfigError(where + "num_predict", f"must be >= 0, or -1 for 'until the context "
+                                                 f"is full', got {n}")
+    return GenOptions(
+        sampling=_sampling(opts, where),
+        max_tokens=None if n is None or n == -1 else n,
+        stops=get_stops(opts, "stop", where=where),
+        num_ctx=_num_ctx(opts, where, context_length),
+        kv_budget=_kv_budget(opts, where),
+    )
+
+
+def openai_options(body: Mapping, context_length: int) -> GenOptions:
+    """Top-level sampling fields of /v1/chat/completions and /v1/completions.
+
+    Extensions beyond OpenAI's set: top_k, min_p, repeat_penalty, repeat_last_n, num_ctx,
+    kv_budget (send them with the SDK's `extra_body`).
+    """
+    n = get_int(body, "max_completion_tokens")
+    n = get_int(body, "max_tokens") if n is None else n
+    if n is not None and n < 0:
+        raise ConfigError("max_tokens", f"must be >= 0, got {n}")
+    count = get_int(body, "n", 1)
+    if count != 1:
+        raise ConfigError("n", f"only n=1 is supported, got {count}")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if get_number(body, key, 0.0) != 0.0:
+            raise ConfigError(key, "is not supported by cfr-atlas; use repeat_penalty")
+    refuse(body, "logprobs", "no log-probabilities are returned")
+    refuse(body, "tools", "no tool calling")
+    fmt = get_object(body, "response_format")
+    if fmt.get("type", "text") != "text":
+        raise ConfigError("response_format", f"only type 'text' is supported, got {fmt!r}")
+    return GenOptions(
+        sampling=_sampling(body, ""),
+        max_tokens=n,
+        stops=get_stops(body, "stop"),
+        num_ctx=_num_ctx(body, "", context_length),
+        kv_budget=_kv_budget(body, ""),
+    )
+
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+          "tool": "tool"}
+
+
+def _content(message: Mapping, where: str) -> str:
+    """A message's text: a string, null, or OpenAI's list of {"type": "text"} parts."""
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind != "text":
+                raise ConfigError(f"{where}content[{j}]", f"only text parts are supported, got "
+                                                          f"{kind or _type_name(part)!r}")
+            parts.append(get_str(part, "text", where=f"{where}content[{j}]."))
+        return "".join(parts)
+    raise ConfigError(where + "content", f"must be a string, got {_type_name(content)}")
+
+
+def chat_messages(body: Mapping) -> list[dict]:
+    """`messages` as [{"role", "content"}]: non-empty, known roles, text only."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError("messages", f"must be a non-empty list of {{role, content}} objects, "
+                                      f"got {messages!r:.80}")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]."
+        if not isinstance(m, Mapping):
+            raise ConfigError(where[:-1], f"must be an object, got {_type_name(m)}")
+        role = get_str(m, "role", where=where)
+        if role not in _ROLES:
+            raise ConfigError(where + "role", f"must be one of {sorted(_ROLES)}, got {role!r}")
+        if m.get("images"):
+            raise ConfigError(where + "images", "is not supported (the model reads text only)")
+        out.append({"role": _ROLES[role], "content": _content(m, where)})
+    return out
+
+
+def get_dimensions(body: Mapping, dim: int) -> int | None:
+    """`dimensions` of an embedding request: keep the first d components (renormalized)."""
+    d = get_int(body, "dimensions")
+    if d is not None and not 1 <= d <= dim:
+        raise ConfigError("dimensions", f"must be in [1, {dim}] (the model's width), got {d}")
+    return d
+
+
+def embed_inputs(body: Mapping, key: str, *, token_ids: bool) -> list[str | list[int]]:
+    """A string or a non-empty list of strings; with `token_ids`, also a list of ints or a list
+    of such lists (OpenAI's pre-tokenized input)."""
+    value = body.get(key)
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) for v in value):
+            return list(value)
+        if token_ids and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return [list(value)]
+        if token_ids and all(isinstance(v, list) and all(isinstance(t, int)
+                                                         and not isinstance(t, bool) for t in v)
+                             for v in value):
+            return [list(v) for v in value]
+    kinds = "a string or a non-empty list of strings" + (
+        " (or of token ids)" if token_ids else "")
+    raise ConfigError(key, f"must be {kinds}, got {value!r:.80}")

@@ -1,0 +1,142 @@
+"""`Service`: the one model, its card and its scheduler, as the HTTP handlers see them.
+
+Handlers turn requests into prompt ids and `GenOptions`; the service checks the context limit
+(a prompt that does not fit is a `CapacityError` with the numbers — never truncated), builds
+the job, submits it and hands back a `Handle` the handler awaits. `ServerConfig` holds the
+settings `cfr-atlas serve` exposes. HTTP, JSON and response shapes live in the api modules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from cfr_atlas.errors import AtlasError, CapacityError, ConfigError
+from cfr_atlas.generate import check_ids
+from cfr_atlas.serve.card import ModelCard
+from cfr_atlas.serve.jobs import Channel, EmbeddingJob, GenerationJob, GenerationSpec, Job
+from cfr_atlas.serve.params import GenOptions
+from cfr_atlas.serve.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of one server; see docs/SERVING.md for what each one does."""
+
+    host: str = "127.0.0.1"
+    port: int = 11434
+    model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    model_name: str | None = None  # None: the file name, lower case, ":latest"
+    kv_budget: int | None = None  # default per-request K/V budget in bytes; None: unbounded
+    cache_dir: str | None = None  # page files of budgeted sessions; None: the user cache
+    max_active: int = 4  # sequences interleaved at once
+    max_queue: int = 16  # requests waiting beyond those; more -> 429
+    max_tokens: int | None = None  # when a request sets no limit; None: until context is full
+    retry_after: int = 1  # seconds, sent with 429
+    max_body_bytes: int = 16 << 20
+
+
+def shrink(vector: np.ndarray, dims: int | None) -> list[float]:
+    """The first `dims` components, L2-renormalized (Ollama's and OpenAI's `dimensions`)."""
+    if dims is None or dims == vector.size:
+        return vector.tolist()
+    v = vector[:dims].astype(np.float64)
+    return (v / max(float(np.linalg.norm(v)), 1e-12)).astype(np.float32).tolist()
+
+
+class Handle:
+    """The event-loop side of one submitted job: await its events, or cancel it."""
+
+    def __init__(self, scheduler: Scheduler, job: Job, channel: Channel, t0: float):
+        self.scheduler, self.job, self.channel, self.t0 = scheduler, job, channel, t0
+
+    async def next_event(self) -> tuple[str, object]:
+        """("text", str) or ("done", outcome); an ("error", exc) event is raised."""
+        kind, value = await self.channel.get()
+        if kind == "error":
+            raise value if isinstance(value, AtlasError) else RuntimeError(str(value))
+        return kind, value
+
+    async def events(self) -> AsyncIterator[tuple[str, object]]:
+        while True:
+            kind, value = await self.next_event()
+            yield kind, value
+            if kind == "done":
+                return
+
+    async def result(self) -> tuple[str, object]:
+        """All text joined, and the outcome."""
+        parts = []
+        async for kind, value in self.events():
+            if kind == "done":
+                return "".join(parts), value
+            parts.append(value)
+        raise RuntimeError("job ended without an outcome")
+
+    def cancel(self) -> None:
+        self.scheduler.cancel(self.job)
+
+    def elapsed_ns(self) -> int:
+        return int((time.perf_counter() - self.t0) * 1e9)
+
+
+class Service:
+    def __init__(self, model, config: ServerConfig):
+        self.model, self.config = model, config
+        self.card = ModelCard.from_model(model, config.model_name)
+        self.scheduler = Scheduler(max_active=config.max_active, max_queue=config.max_queue,
+                                   retry_after=config.retry_after)
+        self.started = time.time()
+
+    @property
+    def context_length(self) -> int:
+        return self.model.config.context_length
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.model.tokenize(text)
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        return self.tokenize(self.model.chat_prompt(messages))
+
+    def check_fits(self, n_tokens: int, limit: int, what: str = "the prompt") -> None:
+        if n_tokens > limit:
+            raise CapacityError(f"{what} is {n_tokens} tokens, more than the context limit of "
+                                f"{limit} tokens; shorten it (cfr-atlas never truncates)")
+
+    def start_generation(self, ids: list[int], opts: GenOptions) -> Handle:
+        t0 = time.perf_counter()
+        if not ids:
+            raise ConfigError("prompt", "is empty after tokenization")
+        check_ids(ids, self.model.config.vocab_size)
+        limit = opts.num_ctx or self.context_length
+        self.check_fits(len(ids), limit)
+        max_tokens = opts.max_tokens if opts.max_tokens is not None else self.config.max_tokens
+        room = limit - len(ids) + 1  # the last sampled token is never fed back
+        max_tokens = room if max_tokens is None else min(max_tokens, room)
+        budget = opts.kv_budget if opts.kv_budget is not None else self.config.kv_budget
+        session_kw = {"context_limit": limit}
+        if budget is not None:
+            session_kw.update(kv_budget=budget, cache_dir=self.config.cache_dir)
+        spec = GenerationSpec(tuple(ids), opts.sampling, max_tokens, opts.stops, session_kw)
+        return self._submit(lambda ch: GenerationJob(self.model, spec, ch), t0)
+
+    def start_embedding(self, inputs: list[str | list[int]]) -> Handle:
+        """Embed texts (tokenized here) or token-id lists, one per scheduler step."""
+        t0 = time.perf_counter()
+        inputs = [self.tokenize(x) if isinstance(x, str) else x for x in inputs]
+        for i, ids in enumerate(inputs):
+            if not ids:
+                raise ConfigError("input", f"item {i} is empty")
+            check_ids(ids, self.model.config.vocab_size)
+            self.check_fits(len(ids), self.context_length, f"input {i}")
+        return self._submit(lambda ch: EmbeddingJob(self.model, inputs, ch), t0)
+
+    def _submit(self, make, t0: float) -> Handle:
+        channel = Channel(asyncio.get_running_loop())
+        job = make(channel)
+        self.scheduler.submit(job)
+        return Handle(self.scheduler, job, channel, t0)
