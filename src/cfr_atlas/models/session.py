@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from cfr_atlas.atlas import Atlas, AtlasConfig, KeepRecent, PageKey
+from cfr_atlas.atlas import Atlas, AtlasConfig, KeepAll, KeepRecent, PageKey
 from cfr_atlas.errors import ConfigError, RegeneratorError
 from cfr_atlas.kv import SpillKv
 from cfr_atlas.models.recompute import RecomputeKv
@@ -69,7 +69,12 @@ class Session:
         self.atlas = Atlas(AtlasConfig(page_tokens=page_tokens, head_dim=c.head_dim,
                                        hot_cache_bytes=hot, admit_regenerated_pages=True,
                                        storage_dtype=storage_dtype))
-        self.policy = policy if policy is not None else KeepRecent(recent_tokens=page_tokens)
+        # Unbounded: everything stays (the full-K/V baseline), whatever policy was given.
+        # Budgeted default: the newest pages stay hot, the oldest are regenerated first.
+        if self.budget is None:
+            self.policy = KeepAll()
+        else:
+            self.policy = policy if policy is not None else KeepRecent(recent_tokens=UNBOUNDED)
         if self.budget is None:
             self.backend = _NoRegenerator()
         elif regenerator == "spill":

@@ -1,0 +1,193 @@
+"""OpenAI's API: /v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings.
+
+Streaming is server-sent events ending with `data: [DONE]`; `usage` counts prompt and
+completion tokens (the end-of-generation token included) with `prompt_tokens_details.
+cached_tokens` 0 until the prefix cache lands; `stream_options.include_usage` adds the usage
+chunk. Non-streaming responses also carry our K/V telemetry under `cfr_atlas`. Sampling
+defaults are the engine's (greedy), not OpenAI's temperature 1. Validation lives in `params`.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from cfr_atlas.errors import ConfigError
+from cfr_atlas.serve.http import (
+    endpoint,
+    openai_error,
+    openai_error_body,
+    read_json,
+    sse,
+    stream,
+    until_done,
+)
+from cfr_atlas.serve.params import (
+    chat_messages,
+    embed_inputs,
+    get_bool,
+    get_dimensions,
+    get_object,
+    get_str,
+    openai_options,
+    refuse,
+)
+from cfr_atlas.serve.service import Handle, Service, shrink
+
+
+def _service(request: Request) -> Service:
+    return request.app.state.service
+
+
+async def _request(request: Request) -> tuple[Service, dict, str]:
+    service = _service(request)
+    body = await read_json(request, service.config.max_body_bytes)
+    return service, body, service.card.resolve(get_str(body, "model"))
+
+
+def _usage(outcome) -> dict:
+    return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.eval_count,
+            "total_tokens": outcome.prompt_tokens + outcome.eval_count,
+            "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def _choice(chat: bool, text: str | None, finish: str | None, *, delta: bool) -> dict:
+    if not chat:
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    key = "delta" if delta else "message"
+    body = {} if text is None else ({"content": text} if delta else
+                                    {"role": "assistant", "content": text})
+    return {"index": 0, key: body, "logprobs": None, "finish_reason": finish}
+
+
+async def _respond(request: Request, handle: Handle, name: str, *, chat: bool,
+                   streaming: bool, include_usage: bool, prefix: str = "") -> Response:
+    """A chat.completion / text_completion object, or their SSE chunks then [DONE]."""
+    from cfr_atlas import __version__
+
+    head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": name,
+            "system_fingerprint": f"cfr-atlas-{__version__}"}
+    if not streaming:
+        text, outcome = await until_done(request, handle, handle.result())
+        return JSONResponse({**head, "choices": [_choice(chat, prefix + text,
+                                                         outcome.done_reason, delta=False)],
+                             "usage": _usage(outcome), "cfr_atlas": outcome.telemetry})
+    if chat:
+        head["object"] = "chat.completion.chunk"
+    opened = [False]
+
+    def opening() -> bytes:
+        """The role delta of a chat stream; the echoed prompt of a completion stream."""
+        if chat:
+            choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                      "logprobs": None, "finish_reason": None}
+            return sse({**head, "choices": [choice]})
+        return sse({**head, "choices": [_choice(False, prefix, None, delta=True)]}) if prefix \
+            else b""
+
+    def render(kind: str, value) -> bytes:
+        out = b"" if opened[0] else opening()
+        opened[0] = True
+        if kind == "text":
+            return out + sse({**head, "choices": [_choice(chat, value, None, delta=True)]})
+        out += sse({**head, "choices": [_choice(chat, None if chat else "", value.done_reason,
+                                                delta=True)]})
+        if include_usage:
+            out += sse({**head, "choices": [], "usage": _usage(value)})
+        return out + sse("[DONE]")
+
+    return await stream(request, handle, render, lambda e: sse(openai_error_body(e)),
+                        "text/event-stream")
+
+
+@endpoint(openai_error)
+async def chat_completions(request: Request) -> Response:
+    service, body, name = await _request(request)
+    messages = chat_messages(body)
+    opts = openai_options(body, service.context_length)
+    streaming = get_bool(body, "stream", False)
+    include_usage = get_bool(get_object(body, "stream_options"), "include_usage", False,
+                             where="stream_options.")
+    handle = service.start_generation(service.chat_ids(messages), opts)
+    return await _respond(request, handle, name, chat=True, streaming=streaming,
+                          include_usage=include_usage)
+
+
+@endpoint(openai_error)
+async def completions(request: Request) -> Response:
+    """Raw completion of one prompt (a string or token ids); no chat template."""
+    service, body, name = await _request(request)
+    prompts = embed_inputs(body, "prompt", token_ids=True)
+    if len(prompts) != 1:
+        raise ConfigError("prompt", f"only one prompt per request is supported, got "
+                                    f"{len(prompts)}")
+    refuse(body, "suffix", "no fill-in-the-middle")
+    if body.get("best_of") not in (None, 1):
+        raise ConfigError("best_of", f"only best_of=1 is supported, got {body['best_of']!r}")
+    opts = openai_options(body, service.context_length)
+    streaming = get_bool(body, "stream", False)
+    include_usage = get_bool(get_object(body, "stream_options"), "include_usage", False,
+                             where="stream_options.")
+    prompt = prompts[0]
+    ids = service.tokenize(prompt) if isinstance(prompt, str) else prompt
+    echo = get_bool(body, "echo", False)
+    prefix = "" if not echo else (prompt if isinstance(prompt, str)
+                                  else service.model.detokenize(prompt))
+    handle = service.start_generation(ids, opts)
+    return await _respond(request, handle, name, chat=False, streaming=streaming,
+                          include_usage=include_usage, prefix=prefix)
+
+
+@endpoint(openai_error)
+async def embeddings(request: Request) -> Response:
+    service, body, name = await _request(request)
+    inputs = embed_inputs(body, "input", token_ids=True)
+    fmt = get_str(body, "encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise ConfigError("encoding_format", f"must be 'float' or 'base64', got {fmt!r}")
+    dims = get_dimensions(body, service.model.config.dim)
+    handle = service.start_embedding(inputs)
+    _, outcome = await until_done(request, handle, handle.result())
+    data = []
+    for i, v in enumerate(outcome.vectors):
+        values = shrink(v, dims)
+        if fmt == "base64":
+            values = base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode()
+        data.append({"object": "embedding", "index": i, "embedding": values})
+    n = outcome.prompt_tokens
+    return JSONResponse({"object": "list", "data": data, "model": name,
+                         "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+
+def _model_entry(service: Service) -> dict:
+    return {"id": service.card.name, "object": "model", "created": int(service.started),
+            "owned_by": "cfr-atlas"}
+
+
+@endpoint(openai_error)
+async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_entry(_service(request))]})
+
+
+@endpoint(openai_error)
+async def model(request: Request) -> Response:
+    service = _service(request)
+    service.card.resolve(request.path_params["name"])
+    return JSONResponse(_model_entry(service))
+
+
+ROUTES = [
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/models/{name:path}", model, methods=["GET"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/embeddings", embeddings, methods=["POST"]),
+]
