@@ -56,7 +56,42 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--continuation", type=int, default=64, help="greedy tokens (default 64)")
     v.add_argument("--chunk-tokens", type=int, default=256, help="prefill chunk (default 256)")
     v.add_argument("--cache-dir", default=None, help="folder for page files")
+    _serve_parser(sub)
     return ap
+
+
+def _serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve the model over Ollama- and OpenAI-compatible HTTP",
+                       description="Run the HTTP server (see docs/SERVING.md). Loopback only "
+                       "unless --host says otherwise; the API has no authentication.")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=11434, help="port (default 11434, Ollama's)")
+    s.add_argument("--model", help="path to a .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    s.add_argument("--name", default=None, help="model name clients send (default: file name)")
+    s.add_argument("--kv-budget", default=None, help="default per-request " + _KV_HELP)
+    s.add_argument("--cache-dir", default=None, help="folder for page files (default: user cache)")
+    s.add_argument("--prefix-cache", default=None, metavar="DIR",
+                   help="prefix cache folder, passed to the engine (pending engine support)")
+    s.add_argument("--max-active", type=int, default=4, help="sequences interleaved (default 4)")
+    s.add_argument("--max-queue", type=int, default=16,
+                   help="requests waiting beyond those; more get 429 (default 16)")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help="limit when a request sets none (default: until the context is full)")
+
+
+def _serve(a) -> None:
+    from cfr_atlas.errors import ConfigError
+    from cfr_atlas.models.session import parse_bytes
+    from cfr_atlas.serve import ServerConfig, serve
+
+    for name in ("max_active", "max_queue"):
+        if getattr(a, name) < 1:
+            raise ConfigError(name, f"must be >= 1, got {getattr(a, name)}")
+    budget = None if a.kv_budget is None else parse_bytes(a.kv_budget)
+    serve(ServerConfig(host=a.host, port=a.port, model_path=a.model, model_name=a.name,
+                       kv_budget=budget, cache_dir=a.cache_dir, max_active=a.max_active,
+                       max_queue=a.max_queue, max_tokens=a.max_tokens),
+          prefix_cache=a.prefix_cache)
 
 
 def _validate(a) -> int:
@@ -168,7 +203,8 @@ def _inspect(a) -> None:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"generate": _generate, "chat": _chat, "inspect": _inspect, "validate": _validate}
+    commands = {"generate": _generate, "chat": _chat, "inspect": _inspect, "validate": _validate,
+                "serve": _serve}
     try:
         return commands[args.cmd](args) or 0
     except AtlasError as e:

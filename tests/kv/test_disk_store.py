@@ -29,9 +29,9 @@ FILE = encoded_size(SIG)
 def open_store(tmp_path):
     stores = []
 
-    def make(background=False, budget_bytes=1 << 20, **kw) -> DiskKvStore:
-        store = DiskKvStore(tmp_path / "kv", budget_bytes=budget_bytes, reserve_bytes=0,
-                            background=background, **kw)
+    def make(background=False, budget_bytes=1 << 20, reserve_bytes=0, **kw) -> DiskKvStore:
+        store = DiskKvStore(tmp_path / "kv", budget_bytes=budget_bytes,
+                            reserve_bytes=reserve_bytes, background=background, **kw)
         stores.append(store)
         return store
 
@@ -86,7 +86,8 @@ def _huge_body(data: bytes) -> bytes:
 CORRUPTIONS = {
     "header: hash": _flip(20), "header: token count": _flip(48), "header: signature": _flip(70),
     "token ids": _flip(64 + len(SIG.to_bytes()) + 3), "body": _flip(FILE // 2),
-    "checksum": _flip(-5), "truncated": lambda d: d[:-10], "shorter than a header": lambda d: d[:40],
+    "checksum": _flip(-5), "truncated": lambda d: d[:-10],
+    "shorter than a header": lambda d: d[:40],
     "wrong magic": lambda d: b"NOTKVBLK" + d[8:], "extra bytes": lambda d: d + b"\0",
     "huge declared size": _huge_body,
 }
@@ -179,9 +180,17 @@ def test_free_disk_space_minus_the_reserve_bounds_the_store(open_store, monkeypa
     store.put(b1)
     assert not store.path_for(b0.hash).exists() and store.path_for(b1.hash).exists()
     free["bytes"] = 0
-    store.put(make_block(IDS, 2))                # nothing left to evict that would make room
+    store.put(make_block(IDS, 2))                # evicting b1 frees exactly enough
     s = store.stats()
-    assert (s.evictions, s.rejected, s.blocks) == (2, 1, 0)
+    assert (s.evictions, s.rejected, s.blocks) == (2, 0, 1)
+    store.close()
+    free["bytes"] = 10 * FILE - FILE // 2        # half a file inside the reserve
+    reserved = open_store(reserve_bytes=10 * FILE)
+    assert reserved.stats().blocks == 0          # adoption gave the reserve back
+    assert reserved.stats().evictions == 1
+    reserved.put(make_block(IDS, 3))
+    s = reserved.stats()
+    assert (s.rejected, s.blocks) == (1, 0)
 
 
 def test_block_larger_than_the_budget_is_rejected(open_store):
@@ -328,3 +337,30 @@ def test_concurrent_puts_and_gets(open_store):
     assert all(_get(store, b).reason is ReadReason.HIT for b in blocks)
     s = store.stats()
     assert (s.blocks, s.bytes, s.corrupt, s.rejected) == (len(blocks), len(blocks) * FILE, 0, 0)
+
+
+def test_concurrent_use_under_eviction_keeps_the_accounting_exact(open_store):
+    store = open_store(background=True, queue_size=2, budget_bytes=5 * FILE)
+    ids = list(range(4 * 40))
+    blocks = [make_block(ids, i) for i in range(40)]
+    bad = []
+
+    def work(mine):
+        for i, block in enumerate(mine):
+            store.put(block)
+            out = _get(store, mine[i // 2])
+            if out.reason not in (ReadReason.HIT, ReadReason.MISS) or \
+                    (out.block is not None and not same_block(out.block, mine[i // 2])):
+                bad.append(out)
+
+    threads = [threading.Thread(target=work, args=(blocks[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    store.flush()
+    files = [p for p in store.root.rglob("*") if p.is_file()]
+    s = store.stats()
+    assert bad == [] and s.corrupt == 0 and s.rejected == 0
+    assert s.bytes == sum(p.stat().st_size for p in files) == s.blocks * FILE <= 5 * FILE
+    assert s.evictions == 40 - s.blocks

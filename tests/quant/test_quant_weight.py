@@ -53,6 +53,7 @@ def test_api_shapes_and_out(w):
     (np.zeros((48, 40), np.uint8), (48, 100), r"row size 100 .* block size 32"),
     (np.zeros((48, 40), np.float32), (48, 64), r"Q4_1 data must be uint8, got float32"),
     (np.zeros((0, 40), np.uint8), (0, 64), r"at least one row"),
+    (np.zeros((48, 40), np.uint8), (48, 64, 1), r"shape must be \(N, K\), got \(48, 64, 1\)"),
 ])
 def test_from_raw_errors(raw, shape, match):
     with pytest.raises(DimensionError, match=match):

@@ -85,7 +85,79 @@ def _score(qrow, krow, d, scale, softcap, slope, distance):
     return x
 
 
+@njit(cache=True, inline="always")
+def _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_start, pg_len,
+               run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc):
+    """Work item w = (run r, query t): fold run r's pages, in order, into state (t, h, part)."""
+    n_tok, _, n_grp, d = q.shape
+    page_tokens = k_hot.shape[1]
+    r = w // n_tok
+    t = w - r * n_tok
+    h, part, pos = run_head[r], run_part[r], qpos[t]
+    lo = pos - window + 1 if window > 0 else 0
+    s = np.empty((n_grp, page_tokens), dtype=np.float32)
+    kbuf = np.empty((page_tokens, d), dtype=np.float32)
+    vbuf = np.empty((page_tokens, d), dtype=np.float32)
+    for i in range(run_begin[r], run_begin[r + 1]):
+        start = pg_start[i]
+        if start > pos:
+            break
+        j0 = max(0, lo - start)
+        j1 = min(pg_len[i], pos - start + 1)
+        if j0 >= j1:
+            continue
+        if pg_src[i] == SRC_HOT:
+            kr, vr = k_hot[pg_slot[i]], v_hot[pg_slot[i]]
+        else:
+            kr, vr = k_scr[pg_slot[i]], v_scr[pg_slot[i]]
+        kf = _as_f32_rows(kr, j0, j1, code, kbuf)
+        vf = _as_f32_rows(vr, j0, j1, code, vbuf)
+        for j in range(j0, j1):
+            for g in range(n_grp):
+                s[g, j] = _score(q[t, h, g], kf[j], d, scale, softcap, alibi[h, g],
+                                 start + j - pos)
+        for g in range(n_grp):
+            mx = s[g, j0]
+            for j in range(j0 + 1, j1):
+                mx = max(mx, s[g, j])
+            m_old = m[t, h, part, g]
+            m_new = max(m_old, np.float64(mx))
+            corr = 0.0 if m_old == -np.inf else math.exp(m_old - m_new)
+            a = acc[t, h, part, g]
+            for e in range(d):
+                a[e] *= corr
+            lsum = l[t, h, part, g] * corr
+            for j in range(j0, j1):
+                p = math.exp(np.float64(s[g, j]) - m_new)
+                lsum += p
+                for e in range(d):
+                    a[e] += p * vf[j, e]
+            l[t, h, part, g] = lsum
+            m[t, h, part, g] = m_new
+
+
+@njit(cache=True)
+def _fold_serial(q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_start, pg_len,
+                 run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc):
+    for w in range(run_head.shape[0] * q.shape[0]):
+        _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_start,
+                   pg_len, run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc)
+
+
 @njit(cache=True, parallel=True)
+def _fold_parallel(q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_start, pg_len,
+                   run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc):
+    for w in prange(run_head.shape[0] * q.shape[0]):
+        _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_start,
+                   pg_len, run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc)
+
+
+# Below this many (query head x key) pairs a call runs on one thread: waking the pool costs
+# more than it saves. Serial and parallel kernels inline the same work item, so the split only
+# changes which thread computes an item, never its bits.
+PARALLEL_MIN_PAIRS = 1 << 16
+
+
 def fold_runs(q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_start, pg_len,
               run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc):
     """Absorb a batch of pages into the partition states.
@@ -97,93 +169,67 @@ def fold_runs(q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_sta
     alibi: (H, G) f32 slopes (0 = none); softcap 0 = none; window 0 = none.
     m, l: (T, H, NPART, G) f64; acc: (T, H, NPART, G, D) f64 — updated in place.
     """
-    n_tok, _, n_grp, d = q.shape
-    page_tokens = k_hot.shape[1]
-    n_runs = run_head.shape[0]
-    for w in prange(n_runs * n_tok):
-        r = w // n_tok
-        t = w - r * n_tok
-        h, part, pos = run_head[r], run_part[r], qpos[t]
-        lo = pos - window + 1 if window > 0 else 0
-        s = np.empty((n_grp, page_tokens), dtype=np.float32)
-        kbuf = np.empty((page_tokens, d), dtype=np.float32)
-        vbuf = np.empty((page_tokens, d), dtype=np.float32)
-        for i in range(run_begin[r], run_begin[r + 1]):
-            start = pg_start[i]
-            if start > pos:
-                break
-            j0 = max(0, lo - start)
-            j1 = min(pg_len[i], pos - start + 1)
-            if j0 >= j1:
+    pairs = q.shape[0] * q.shape[2] * int(pg_len.sum())
+    kernel = _fold_parallel if pairs >= PARALLEL_MIN_PAIRS else _fold_serial
+    kernel(q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_start, pg_len,
+           run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc)
+
+
+@njit(cache=True, inline="always")
+def _merge_item(w, m, l, acc, sinks, out):
+    """Work item w = (query t, head h): combine partitions left to right, add sinks, divide."""
+    n_tok, n_head, n_part, n_grp = m.shape
+    d = acc.shape[4]
+    t = w // n_head
+    h = w - t * n_head
+    a = np.empty(d, dtype=np.float64)
+    for g in range(n_grp):
+        mm, ll = -np.inf, 0.0
+        for p in range(n_part):
+            lp = l[t, h, p, g]
+            if lp == 0.0:  # an empty partition holds no token
                 continue
-            if pg_src[i] == SRC_HOT:
-                kr, vr = k_hot[pg_slot[i]], v_hot[pg_slot[i]]
-            else:
-                kr, vr = k_scr[pg_slot[i]], v_scr[pg_slot[i]]
-            kf = _as_f32_rows(kr, j0, j1, code, kbuf)
-            vf = _as_f32_rows(vr, j0, j1, code, vbuf)
-            for j in range(j0, j1):
-                for g in range(n_grp):
-                    s[g, j] = _score(q[t, h, g], kf[j], d, scale, softcap, alibi[h, g],
-                                     start + j - pos)
-            for g in range(n_grp):
-                mx = s[g, j0]
-                for j in range(j0 + 1, j1):
-                    mx = max(mx, s[g, j])
-                m_old = m[t, h, part, g]
-                m_new = max(m_old, np.float64(mx))
-                corr = 0.0 if m_old == -np.inf else math.exp(m_old - m_new)
-                a = acc[t, h, part, g]
-                for e in range(d):
-                    a[e] *= corr
-                lsum = l[t, h, part, g] * corr
-                for j in range(j0, j1):
-                    p = math.exp(np.float64(s[g, j]) - m_new)
-                    lsum += p
-                    for e in range(d):
-                        a[e] += p * vf[j, e]
-                l[t, h, part, g] = lsum
-                m[t, h, part, g] = m_new
+            mp = m[t, h, p, g]
+            if mm == -np.inf:
+                mm, ll = mp, lp
+                a[:] = acc[t, h, p, g]
+                continue
+            mn = max(mm, mp)
+            ca, cb = math.exp(mm - mn), math.exp(mp - mn)
+            ll = ll * ca + lp * cb
+            for e in range(d):
+                a[e] = a[e] * ca + acc[t, h, p, g, e] * cb
+            mm = mn
+        sink = sinks[h, g]
+        if not math.isnan(sink):
+            mn = max(mm, np.float64(sink))
+            ca = math.exp(mm - mn) if mm != -np.inf else 0.0
+            ll = ll * ca + math.exp(np.float64(sink) - mn)
+            for e in range(d):
+                a[e] *= ca
+        for e in range(d):
+            out[t, h, g, e] = np.float32(a[e] / ll)
+
+
+@njit(cache=True)
+def _merge_serial(m, l, acc, sinks, out):
+    for w in range(m.shape[0] * m.shape[1]):
+        _merge_item(w, m, l, acc, sinks, out)
 
 
 @njit(cache=True, parallel=True)
+def _merge_parallel(m, l, acc, sinks, out):
+    for w in prange(m.shape[0] * m.shape[1]):
+        _merge_item(w, m, l, acc, sinks, out)
+
+
 def merge_partitions(m, l, acc, sinks, out):
     """Combine partition states left to right, add sink logits, divide: out (T, H, G, D) f32.
 
     sinks: (H, G) f32 sink logits, NaN where a head has none.
     """
-    n_tok, n_head, n_part, n_grp = m.shape
-    d = acc.shape[4]
-    for w in prange(n_tok * n_head):
-        t = w // n_head
-        h = w - t * n_head
-        a = np.empty(d, dtype=np.float64)
-        for g in range(n_grp):
-            mm, ll = -np.inf, 0.0
-            for p in range(n_part):
-                lp = l[t, h, p, g]
-                if lp == 0.0:  # an empty partition holds no token
-                    continue
-                mp = m[t, h, p, g]
-                if mm == -np.inf:
-                    mm, ll = mp, lp
-                    a[:] = acc[t, h, p, g]
-                    continue
-                mn = max(mm, mp)
-                ca, cb = math.exp(mm - mn), math.exp(mp - mn)
-                ll = ll * ca + lp * cb
-                for e in range(d):
-                    a[e] = a[e] * ca + acc[t, h, p, g, e] * cb
-                mm = mn
-            sink = sinks[h, g]
-            if not math.isnan(sink):
-                mn = max(mm, np.float64(sink))
-                ca = math.exp(mm - mn) if mm != -np.inf else 0.0
-                ll = ll * ca + math.exp(np.float64(sink) - mn)
-                for e in range(d):
-                    a[e] *= ca
-            for e in range(d):
-                out[t, h, g, e] = np.float32(a[e] / ll)
+    big = m.shape[0] * m.shape[1] * m.shape[2] * m.shape[3] * acc.shape[4] >= PARALLEL_MIN_PAIRS
+    (_merge_parallel if big else _merge_serial)(m, l, acc, sinks, out)
 
 
 # --- NumPy twins (same signatures; tests compare them with the kernels) ----------------------

@@ -11,6 +11,7 @@ from cfr_atlas.kv.disk_store import DiskKvStore, ReadOutcome, ReadReason, StoreS
 from cfr_atlas.kv.page_file import SpillKv, clean_stale, default_cache_dir
 from cfr_atlas.kv.prefix_cache import PrefixCache, PrefixStats
 from cfr_atlas.kv.signature import (
+    KV_FORMAT_VERSION,
     BlockLayout,
     CacheSignature,
     KvBlock,
@@ -18,8 +19,8 @@ from cfr_atlas.kv.signature import (
 )
 
 __all__ = [
-    "BlockHash", "BlockLayout", "CacheSignature", "DiskKvStore", "KvBlock", "KvBlockPool",
-    "PagedKvCache", "PrefixCache", "PrefixStats", "ReadOutcome", "ReadReason", "SpillKv",
-    "StoreStats", "aligned_block_size", "block_hash", "chain_hashes", "clean_stale",
+    "KV_FORMAT_VERSION", "BlockHash", "BlockLayout", "CacheSignature", "DiskKvStore", "KvBlock",
+    "KvBlockPool", "PagedKvCache", "PrefixCache", "PrefixStats", "ReadOutcome", "ReadReason",
+    "SpillKv", "StoreStats", "aligned_block_size", "block_hash", "chain_hashes", "clean_stale",
     "decode_block", "default_cache_dir", "encode_block", "encoded_size", "root_hash",
 ]

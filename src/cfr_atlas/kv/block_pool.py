@@ -34,6 +34,8 @@ class KvBlockPool:
                             ("head_dim", head_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DimensionError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(dtype, StorageDtype):
+            raise DimensionError(f"dtype must be a StorageDtype, got {dtype!r}")
         self.n_blocks, self.block_tokens, self.dtype = n_blocks, block_tokens, dtype
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         shape = (n_blocks, n_layers, n_kv_heads, block_tokens, head_dim)

@@ -34,7 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
-from cfr_atlas.errors import CapacityError, ConfigError, CorruptBlockError, IncompatibleBlockError
+from cfr_atlas.errors import (
+    CapacityError,
+    ConfigError,
+    CorruptBlockError,
+    DimensionError,
+    IncompatibleBlockError,
+)
 from cfr_atlas.kv.block_dir import block_path, same_inode, scan, write_atomic
 from cfr_atlas.kv.block_format import decode_block, encode_block
 from cfr_atlas.kv.block_hash import token_array
@@ -116,6 +122,8 @@ class DiskKvStore:
     def get(self, block_hash: bytes, token_ids, signature: CacheSignature) -> ReadOutcome:
         """The block filed under `block_hash` if it is intact, of `signature`, and holds exactly
         `token_ids`; otherwise None and the reason (see module docstring)."""
+        if not isinstance(block_hash, bytes) or len(block_hash) != 32:
+            raise DimensionError(f"a block hash has 32 bytes, got {block_hash!r:.80}")
         t0 = time.perf_counter()
         outcome = self._get(block_hash, token_array(token_ids), signature)
         with self._lock:
@@ -233,7 +241,8 @@ class DiskKvStore:
             with self._lock:
                 self._bytes -= len(data)
             return False
-        with self._lock:
+        with self._lock:  # replaces a copy another process wrote and a hit adopted meanwhile
+            self._bytes -= self._index.pop(block_hash, 0)
             self._index[block_hash] = len(data)
         return True
 

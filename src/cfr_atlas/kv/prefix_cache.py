@@ -1,11 +1,13 @@
 """`PrefixCache`: whole K/V blocks by chain hash, in RAM (LRU, byte budget) over a disk store.
 
 A lookup hashes the whole blocks of a token sequence (block_hash.py) and walks the chain from
-the first block: RAM first, then disk (a disk hit is promoted into RAM), and stops at the first
-block found in neither. The result is the longest run of consecutive whole blocks from the
-start, which is exactly the K/V the model may reuse; the caller computes the rest. A block is
-served only when its token ids equal the requested ones and its signature equals the cache's,
-never by hash alone. `insert` writes through: RAM, then the disk store's queue.
+the first block: RAM first, then disk, and stops at the first block found in neither. The
+result is the longest run of consecutive whole blocks from the start, which is exactly the K/V
+the model may reuse; the caller computes the rest. The run is then marked used (disk hits
+promoted into RAM) tail first, so under RAM pressure the head of a chain, shared by the most
+prompts, is evicted last. A block is served only when its token ids equal the requested ones
+and its signature equals the cache's, never by hash alone. `insert` writes through: RAM, then
+the disk store's queue.
 
 Invariants: `ram_bytes_used` == sum of `nbytes` of the RAM blocks <= ram_bytes; every block in
 RAM has this cache's signature. Not thread-safe (one engine thread owns it); the disk store
@@ -63,21 +65,20 @@ class PrefixCache:
                 self.misses += 1
                 break
             found.append(block)
+        for block in reversed(found):  # tail first: the head, shared most, is evicted last
+            self._keep(block)
         return found
 
     def _find(self, block_hash: bytes, tokens: np.ndarray) -> KvBlock | None:
         block = self._ram.get(block_hash)
         if block is not None and np.array_equal(block.token_ids, tokens):
-            self._ram.move_to_end(block_hash)
             self.ram_hits += 1
             return block
         if self.disk is None:
             return None
         outcome = self.disk.get(block_hash, tokens, self.signature)
-        if outcome.block is None:
-            return None
-        self.disk_hits += 1
-        self._keep(outcome.block)
+        if outcome.block is not None:
+            self.disk_hits += 1
         return outcome.block
 
     def insert(self, block: KvBlock) -> None:

@@ -1,6 +1,7 @@
 """F32, F16 and BF16 matrices behind the same codec interface as the block formats: decoding
-bitwise equal to gguf-py, row tiles that keep the stored width (4 or 2 bytes per weight, never
-widened), a numba kernel per element width and the NumPy twin, all in the order of tiles.py.
+bitwise equal to gguf-py, row tiles that keep the stored width (4 or 2 bytes per weight; the
+16-bit kernel widens one tile at a time into per-thread scratch), a numba kernel per element
+width and the NumPy twin, all in the reduction order of tiles.py.
 
 Not here: BLAS (its kernel choice depends on T, which would break batch invariance), shape checks
 (weight.py), 1-D tensors such as norms (the model reads those itself).
@@ -133,27 +134,6 @@ def _tile_f32(w, x, acc):
             acc[r] += (s0 + s1) + (s2 + s3)
 
 
-@njit(cache=True, inline="always")
-def _tile_half(w, x, shift, special, scale, acc):
-    """_tile_f32 for a tile of 16-bit bits, widened per element by _half."""
-    acc[:] = 0
-    for b in range(x.shape[0] // QK):
-        k0 = b * QK
-        for r in range(R):
-            o = k0 * R + r
-            s0 = _half(w[o], shift, special, scale) * x[k0]
-            s1 = _half(w[o + R], shift, special, scale) * x[k0 + 1]
-            s2 = _half(w[o + 2 * R], shift, special, scale) * x[k0 + 2]
-            s3 = _half(w[o + 3 * R], shift, special, scale) * x[k0 + 3]
-            for k in range(PHASES, QK, PHASES):
-                ok = o + k * R
-                s0 += _half(w[ok], shift, special, scale) * x[k0 + k]
-                s1 += _half(w[ok + R], shift, special, scale) * x[k0 + k + 1]
-                s2 += _half(w[ok + 2 * R], shift, special, scale) * x[k0 + k + 2]
-                s3 += _half(w[ok + 3 * R], shift, special, scale) * x[k0 + k + 3]
-            acc[r] += (s0 + s1) + (s2 + s3)
-
-
 @njit(parallel=True, cache=True)
 def _f32_kernel(x, w, out):
     """x (T, K_pad) float32, float32 tiles w -> out (T, N) float32; threads split the tiles."""
@@ -169,14 +149,19 @@ def _f32_kernel(x, w, out):
 
 @njit(parallel=True, cache=True)
 def _half_kernel(x, w, shift, special, scale, out):
-    """x (T, K_pad) float32, 16-bit tiles w -> out (T, N) float32; threads split the tiles."""
+    """x (T, K_pad) float32, 16-bit tiles w -> out (T, N) float32; threads split the tiles.
+    Each tile is widened once into a float32 scratch (exact), then read as an F32 tile."""
     N = out.shape[1]
     for i in prange(w.shape[0]):
         acc = np.empty(R, dtype=np.float32)
+        wi = w[i]
+        wide = np.empty(wi.shape[0], dtype=np.float32)
+        for j in range(wi.shape[0]):
+            wide[j] = _half(wi[j], shift, special, scale)
         n0 = i * R
         lanes = min(R, N - n0)
         for t in range(x.shape[0]):
-            _tile_half(w[i], x[t], shift, special, scale, acc)
+            _tile_f32(wide, x[t], acc)
             out[t, n0:n0 + lanes] = acc[:lanes]
 
 

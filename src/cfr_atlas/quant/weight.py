@@ -46,7 +46,10 @@ class QuantWeight:
         """Repack raw GGUF data: (N, row_bytes) uint8 for block formats, (N, K) float32/float16
         for F32/F16 (uint8 also accepted). qtype is a QType or a gguf.GGMLQuantizationType."""
         qtype = qtype_from_gguf(qtype, name)
-        n, k = (int(s) for s in shape)
+        try:
+            n, k = (int(s) for s in shape)
+        except (TypeError, ValueError):
+            raise DimensionError(f"{name}: shape must be (N, K), got {shape!r}") from None
         codec = CODECS[qtype]
         raw = np.asarray(raw)
         allowed = {np.dtype(np.uint8), codec.raw_dtype}

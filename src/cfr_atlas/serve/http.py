@@ -28,7 +28,6 @@ from cfr_atlas.errors import (
     RegeneratorError,
 )
 
-
 log = logging.getLogger("cfr_atlas.serve")
 
 

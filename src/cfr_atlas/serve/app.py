@@ -1,0 +1,98 @@
+"""The ASGI application and the uvicorn runner behind `cfr-atlas serve`.
+
+`create_app(model, config)` wires the Ollama and OpenAI routes, `/` and `/metrics` around one
+`Service`; the scheduler's worker thread starts and stops with the app's lifespan. `serve`
+loads the model and runs uvicorn (loopback unless told otherwise). Routing-level errors
+(unknown path, wrong method) get the same JSON error shapes as the handlers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from cfr_atlas.serve import metrics, ollama_api, openai_api
+from cfr_atlas.serve.service import ServerConfig, Service
+
+log = logging.getLogger("cfr_atlas.serve")
+
+
+async def _root(request: Request) -> Response:
+    return PlainTextResponse("cfr-atlas is running (Ollama and OpenAI compatible API)")
+
+
+async def _metrics(request: Request) -> Response:
+    state = request.app.state
+    text = metrics.render(state.counts.snapshot(), state.service.scheduler.stats())
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    if request.url.path.startswith("/v1/"):
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                          "code": None}}
+    else:
+        body = {"error": message}
+    return JSONResponse(body, exc.status_code, headers=exc.headers)
+
+
+def create_app(model, config: ServerConfig | None = None) -> Starlette:
+    """The ASGI app serving `model` (a loaded `cfr_atlas.engine.Model`)."""
+    config = config or ServerConfig()
+    service = Service(model, config)
+    routes = [Route("/", _root, methods=["GET"]), Route("/metrics", _metrics, methods=["GET"]),
+              *ollama_api.ROUTES, *openai_api.ROUTES]
+    counts = metrics.RequestCounts({r.path for r in routes})
+
+    @asynccontextmanager
+    async def lifespan(app):
+        service.scheduler.start()
+        try:
+            yield
+        finally:
+            service.scheduler.stop()
+
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    middleware=[Middleware(metrics.RequestCounter, counts=counts)],
+                    exception_handlers={HTTPException: _http_error})
+    app.state.service = service
+    app.state.counts = counts
+    return app
+
+
+def load_for_serving(path: str | None, prefix_cache: str | None):
+    """load_model(path), passing `prefix_cache=` once the engine accepts it."""
+    from cfr_atlas.engine import load_model
+
+    if prefix_cache is None:
+        return load_model(path)
+    if "prefix_cache" in inspect.signature(load_model).parameters:
+        return load_model(path, prefix_cache=prefix_cache)
+    print("cfr-atlas: warning: --prefix-cache is not supported by this engine yet; serving "
+          "without a prefix cache", file=sys.stderr)
+    return load_model(path)
+
+
+def serve(config: ServerConfig, prefix_cache: str | None = None) -> None:
+    """Load the model and serve it with uvicorn until interrupted."""
+    import uvicorn
+
+    model = load_for_serving(config.model_path, prefix_cache)
+    app = create_app(model, config)
+    if config.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"cfr-atlas: warning: listening on {config.host}: the API has no "
+              "authentication", file=sys.stderr)
+    print(f"cfr-atlas: serving {app.state.service.card.name} on "
+          f"http://{config.host}:{config.port}", file=sys.stderr)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="info",
+                timeout_graceful_shutdown=5)

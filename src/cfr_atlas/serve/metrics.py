@@ -1,0 +1,81 @@
+"""/metrics in Prometheus text format (version 0.0.4).
+
+`RequestCounter` is ASGI middleware that counts responses by route and status at one point
+(the response start), so handlers carry no metrics code; the scheduler's `SchedulerStats`
+supply the rest. Paths outside the served routes share the label "other", so random URLs
+cannot grow the label set. This module does no model work.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+from cfr_atlas.serve.scheduler import SchedulerStats
+
+# (name, type, help, SchedulerStats field)
+_SCHEDULER_METRICS = (
+    ("cfr_atlas_jobs_submitted_total", "counter", "Jobs accepted into the queue.", "submitted"),
+    ("cfr_atlas_jobs_rejected_total", "counter", "Requests refused with 429 (queue full).",
+     "rejected"),
+    ("cfr_atlas_jobs_completed_total", "counter", "Jobs that ran to the end.", "completed"),
+    ("cfr_atlas_jobs_cancelled_total", "counter", "Jobs dropped because the client went away.",
+     "cancelled"),
+    ("cfr_atlas_jobs_failed_total", "counter", "Jobs that ended with an error.", "failed"),
+    ("cfr_atlas_prompt_tokens_total", "counter", "Prompt tokens prefilled.", "prompt_tokens"),
+    ("cfr_atlas_generated_tokens_total", "counter", "Tokens generated.", "generated_tokens"),
+    ("cfr_atlas_hot_cache_hits_total", "counter", "K/V pages folded from the hot cache.",
+     "hot_hits"),
+    ("cfr_atlas_regenerations_total", "counter", "K/V pages regenerated (spill or recompute).",
+     "regenerations"),
+    ("cfr_atlas_active_sequences", "gauge", "Jobs being stepped now.", "active"),
+    ("cfr_atlas_queue_depth", "gauge", "Jobs waiting for a slot.", "queued"),
+    ("cfr_atlas_resident_kv_bytes", "gauge", "K/V bytes resident in the active sessions' hot "
+     "caches.", "resident_kv_bytes"),
+)
+
+
+class RequestCounts:
+    """Response counts by (path, status); the middleware writes, /metrics reads."""
+
+    def __init__(self, paths: set[str]):
+        self.paths = paths
+        self._lock = threading.Lock()
+        self._counts: Counter[tuple[str, int]] = Counter()
+
+    def add(self, path: str, status: int) -> None:
+        with self._lock:
+            self._counts[(path if path in self.paths else "other", status)] += 1
+
+    def snapshot(self) -> dict[tuple[str, int], int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+class RequestCounter:
+    """ASGI middleware: counts each HTTP response into `counts` when it starts."""
+
+    def __init__(self, app, counts: RequestCounts):
+        self.app, self.counts = app, counts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.counts.add(scope["path"], message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def render(requests: dict[tuple[str, int], int], stats: SchedulerStats) -> str:
+    lines = ["# HELP cfr_atlas_requests_total HTTP responses by path and status.",
+             "# TYPE cfr_atlas_requests_total counter"]
+    for (path, status), n in sorted(requests.items()):
+        lines.append(f'cfr_atlas_requests_total{{path="{path}",status="{status}"}} {n}')
+    for name, kind, help_text, field in _SCHEDULER_METRICS:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
+                  f"{name} {getattr(stats, field)}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,79 @@
+"""Helpers for the serve tests: a uvicorn server in a thread, the engine's own greedy loop.
+
+`start_server` binds a free loopback port itself (no race), runs uvicorn on a daemon thread
+and waits until it accepts connections. `engine_text` is the reference the server's output is
+compared with when `Model.generate` lacks the knob (repeat_last_n).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from cfr_atlas.generate import generate_steps
+from cfr_atlas.sampling import SamplingParams
+from cfr_atlas.serve import ServerConfig, create_app
+
+MODEL = "tiny"  # the name the servers are started with; clients see "tiny:latest"
+
+
+@dataclass
+class RunningServer:
+    url: str
+    app: object
+    cache_dir: Path
+    _server: uvicorn.Server
+    _thread: threading.Thread
+
+    @property
+    def service(self):
+        return self.app.state.service
+
+    def stats(self):
+        return self.service.scheduler.stats()
+
+    def wait_for(self, predicate, timeout: float = 15.0, what: str = "condition"):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if predicate(self.stats()):
+                return self.stats()
+            time.sleep(0.01)
+        raise AssertionError(f"timed out waiting for {what}: {self.stats()}")
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+
+
+def start_server(model, cache_dir: Path, **config) -> RunningServer:
+    app = create_app(model, ServerConfig(model_name=MODEL, cache_dir=str(cache_dir), **config))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    end = time.monotonic() + 15
+    while not server.started:
+        if time.monotonic() > end or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    return RunningServer(url, app, cache_dir, server, thread)
+
+
+
+
+def engine_text(model, prompt: str, params: SamplingParams, n: int) -> str:
+    """The engine's own generation loop: one whole prefill, no scheduler, no server."""
+    session = model.session()
+    try:
+        steps = generate_steps(model.net, session, model.tokenize(prompt), params, max_tokens=n,
+                               eos_ids=model.tokenizer.eos_ids)
+        return model.detokenize([s.token for s in steps if s.finish_reason != "stop"])
+    finally:
+        session.close()
