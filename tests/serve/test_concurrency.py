@@ -19,27 +19,25 @@ PROMPTS = ["hello world", "The capital of France", "Paris is a city", "I have a 
 
 
 def _client_session(url: str, client_id: int, expected: dict) -> list[bool]:
-    """5 requests over both APIs, streaming and not; True for each exact answer."""
+    """5 requests, one of each kind over both APIs; True for each exact answer."""
     o = ollama.Client(host=url, timeout=120)
     ai = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    opts = {"num_predict": N}
+    kinds = [
+        lambda p: o.generate(model=MODEL, prompt=p, raw=True, options=opts).response,
+        lambda p: "".join(c.response for c in o.generate(model=MODEL, prompt=p, raw=True,
+                                                         stream=True, options=opts)),
+        lambda p: ai.completions.create(model=MODEL, prompt=p, max_tokens=N).choices[0].text,
+        lambda p: "".join(c.choices[0].text for c in ai.completions.create(
+            model=MODEL, prompt=p, max_tokens=N, stream=True)),
+        lambda p: httpx.post(url + "/api/generate", timeout=120, json={
+            "model": MODEL, "prompt": p, "raw": True, "stream": False,
+            "options": opts}).json()["response"],
+    ]
     results = []
-    for k in range(5):
+    for k, ask in enumerate(kinds):
         prompt = PROMPTS[(client_id + k) % len(PROMPTS)]
-        want = expected[prompt]
-        match k % 3:
-            case 0:
-                got = o.generate(model=MODEL, prompt=prompt, raw=True,
-                                 options={"num_predict": N}).response
-            case 1:
-                got = "".join(c.response for c in o.generate(
-                    model=MODEL, prompt=prompt, raw=True, stream=True,
-                    options={"num_predict": N}))
-            case _:
-                got = ai.completions.create(model=MODEL, prompt=prompt, max_tokens=N,
-                                            stream=k == 4).choices[0].text if k != 4 else "".join(
-                    c.choices[0].text for c in ai.completions.create(
-                        model=MODEL, prompt=prompt, max_tokens=N, stream=True))
-        results.append(got == want)
+        results.append(ask(prompt) == expected[prompt])
     return results
 
 

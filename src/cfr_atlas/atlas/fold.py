@@ -136,7 +136,7 @@ def _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg
             m[t, h, part, g] = m_new
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _fold_serial(q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_start, pg_len,
                  run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc):
     for w in range(run_head.shape[0] * q.shape[0]):
@@ -144,7 +144,7 @@ def _fold_serial(q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_
                    pg_len, run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def _fold_parallel(q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_start, pg_len,
                    run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc):
     for w in prange(run_head.shape[0] * q.shape[0]):

@@ -31,7 +31,12 @@ from cfr_atlas.errors import AtlasError, DimensionError, NumericError, PageError
 
 
 class KvRegenerator(Protocol):
-    """Anything that can write the exact K and V rows of a page."""
+    """Anything that can write the exact K and V rows of a page.
+
+    Optionally it may also have `prefetch(pages: list[tuple[PageKey, range]])`: before a fold,
+    the runtime passes the pages it will ask for, in order, so I/O can start early. It is a hint
+    only; every page is still requested through `regenerate_page`.
+    """
 
     def regenerate_page(self, key: PageKey, tokens: range, k_out: np.ndarray,
                         v_out: np.ndarray) -> None:
@@ -325,6 +330,11 @@ class Atlas:
         used = lay.last_use[:, lo:n_pages]
         used[hidx] = np.where(hot, self._tick, used[hidx])
 
+        prefetch = getattr(backend, "prefetch", None)
+        if prefetch is not None and not hot.all():  # a hint: the misses, in fold order
+            prefetch([(PageKey(layer, heads[hi], int(starts[pi])),
+                       range(int(starts[pi]), int(starts[pi] + lens[pi])))
+                      for hi, pi in zip(*np.nonzero(~hot), strict=True)])
         batch, n_scr = _Batch(), 0
         parts = pages // split
         t_fold = 0.0

@@ -14,11 +14,15 @@ Slots are handed out in first-write order; the slot table and the expected check
 memory (the file belongs to this process), so a file that is truncated, damaged, swapped for
 another sequence's, or of another version is detected on read: `CorruptPageError`, never rows.
 Files are removed on `close()`; files of dead processes are removed by `clean_stale()`.
+`prefetch` (the runtime's optional hint) reads up to `prefetch_pages` pages ahead on one
+background thread; the verification happens on use, exactly as for a synchronous read.
 This module does not decide what is resident; the Atlas does.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import os
 import struct
 import uuid
@@ -70,7 +74,7 @@ class SpillKv:
     """Page file of one sequence; also its KvRegenerator (reads a page back into scratch)."""
 
     def __init__(self, folder: str | os.PathLike | None, page_tokens: int, head_dim: int,
-                 dtype, model_id: str):
+                 dtype, model_id: str, prefetch_pages: int = 2):
         self.folder = Path(folder).expanduser() if folder else default_cache_dir()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -87,6 +91,10 @@ class SpillKv:
         self.model_id = bytes.fromhex(model_id)[:16].ljust(16, b"\0")
         self.slots: dict[PageKey, list] = {}   # key -> [slot, n_tokens, crc_k, crc_v]
         self.bytes_written = 0
+        self.prefetch_pages, self.prefetch_hits = prefetch_pages, 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
+        self._plan: collections.deque = collections.deque()
+        self._inflight: collections.deque = collections.deque()
         header = _FILE_HDR.pack(MAGIC, VERSION, page_tokens, head_dim, dtype.itemsize,
                                 self.seq_id, self.model_id)
         self._pwrite(header.ljust(HDR_BYTES, b"\0"), 0)
@@ -134,21 +142,56 @@ class SpillKv:
         self.bytes_written += n
 
     # --- reading (the KvRegenerator protocol) ----------------------------------------------
+    def prefetch(self, pages: list[tuple[PageKey, range]]) -> None:
+        """Start reading `pages` (the runtime's fold order) on a background thread, at most
+        `prefetch_pages` ahead; replaces any earlier plan."""
+        if self.prefetch_pages <= 0:
+            return
+        self._inflight.clear()
+        self._plan = collections.deque((key, len(tokens)) for key, tokens in pages)
+        self._refill()
+
+    def _refill(self) -> None:
+        while self._plan and len(self._inflight) < self.prefetch_pages:
+            key, n = self._plan.popleft()
+            self._inflight.append((key, n, self._pool.submit(self._read, key, n)))
+
     def regenerate_page(self, key: PageKey, tokens: range, k_out: np.ndarray,
                         v_out: np.ndarray) -> None:
-        entry = self.slots.get(key)
         n = len(tokens)
+        data = None
+        while self._inflight:  # pages read ahead; anything not asked for in order is dropped
+            k2, n2, fut = self._inflight.popleft()
+            if (k2, n2) == (key, n):
+                data = fut.result()
+                self.prefetch_hits += 1
+                break
+        self._refill()
+        head, kb, vb = data if data is not None else self._read(key, n)
+        self._verify(key, n, head, kb, vb)
+        k_out[...] = self._widen(kb, n)
+        v_out[...] = self._widen(vb, n)
+
+    def _read(self, key: PageKey, n: int) -> tuple[bytes, bytes, bytes]:
+        entry = self.slots.get(key)
         if entry is None or entry[1] != n:
             raise CorruptPageError(f"{key}: page file holds {entry[1] if entry else 0} rows, "
                                    f"{n} requested")
         slot_off = HDR_BYTES + entry[0] * self.slot_bytes
         try:
+            if os.fstat(self.fd).st_nlink == 0:
+                raise CorruptPageError(f"{key}: page file {self.path} was deleted while the "
+                                       "sequence was running")
             head = os.pread(self.fd, HDR_BYTES, slot_off)
             kb = os.pread(self.fd, n * self.row_bytes, slot_off + HDR_BYTES)
             vb = os.pread(self.fd, n * self.row_bytes,
                           slot_off + HDR_BYTES + self.page_tokens * self.row_bytes)
         except OSError as e:
             raise CorruptPageError(f"{key}: reading {self.path}: {e.strerror}") from None
+        return head, kb, vb
+
+    def _verify(self, key: PageKey, n: int, head: bytes, kb: bytes, vb: bytes) -> None:
+        entry = self.slots[key]
         if len(head) < _PAGE_HDR.size or len(kb) != n * self.row_bytes or len(vb) != len(kb):
             raise CorruptPageError(f"{key}: page file {self.path} is truncated")
         magic, ver, layer, kvh, start, count, crc_k, crc_v, seq = _PAGE_HDR.unpack_from(head)
@@ -157,10 +200,8 @@ class SpillKv:
         if seq != self.seq_id or (layer, kvh, start) != tuple(key):
             raise CorruptPageError(f"{key}: page belongs to another sequence or page")
         if (count != n or (crc_k, crc_v) != (entry[2], entry[3])
-                              or zlib.crc32(kb) != crc_k or zlib.crc32(vb) != crc_v):
+                or zlib.crc32(kb) != crc_k or zlib.crc32(vb) != crc_v):
             raise CorruptPageError(f"{key}: checksum mismatch in {self.path}")
-        k_out[...] = self._widen(kb, n)
-        v_out[...] = self._widen(vb, n)
 
     def _widen(self, raw: bytes, n: int) -> np.ndarray:
         from cfr_atlas.atlas.storage import widen
@@ -169,6 +210,8 @@ class SpillKv:
         return widen(rows, self.dtype)
 
     def close(self) -> None:
+        self._inflight.clear()
+        self._pool.shutdown(wait=True)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from cfr_atlas.atlas import Atlas, AtlasConfig, KeepAll, KeepRecent, PageKey
+from cfr_atlas.atlas import Atlas, AtlasConfig, KeepAll, KeepRecent, PageKey, round_rows
 from cfr_atlas.errors import ConfigError, RegeneratorError
 from cfr_atlas.kv import SpillKv
 from cfr_atlas.models.recompute import RecomputeKv
@@ -49,7 +49,7 @@ class Session:
 
     def __init__(self, model, *, kv_budget=None, regenerator: str = "spill", policy=None,
                  storage_dtype: str = "float32", page_tokens: int = 256, cache_dir=None,
-                 context_limit: int | None = None):
+                 context_limit: int | None = None, prefetch_pages: int = 2):
         c = model.config
         self.model = model
         self.context_limit = c.context_length if context_limit is None else context_limit
@@ -60,11 +60,13 @@ class Session:
             self.budget = None
         else:
             self.budget = parse_bytes(kv_budget)
-            scratch = probe.scratch_bytes
+            # scratch (and the spill tier's read-ahead buffers) count against the budget
+            ahead = prefetch_pages * probe.page_bytes if regenerator == "spill" else 0
+            scratch = probe.scratch_bytes + ahead
             if self.budget < scratch:
-                raise ConfigError("kv_budget", f"{self.budget} bytes is below one page of "
-                                               f"scratch ({scratch} bytes at page_tokens "
-                                               f"{page_tokens})")
+                raise ConfigError("kv_budget", f"{self.budget} bytes is below the scratch "
+                                               f"({scratch} bytes at page_tokens {page_tokens}, "
+                                               f"{prefetch_pages} read-ahead pages)")
             hot = self.budget - scratch
         self.atlas = Atlas(AtlasConfig(page_tokens=page_tokens, head_dim=c.head_dim,
                                        hot_cache_bytes=hot, admit_regenerated_pages=True,
@@ -79,23 +81,27 @@ class Session:
             self.backend = _NoRegenerator()
         elif regenerator == "spill":
             self.backend = SpillKv(cache_dir, page_tokens, c.head_dim, probe.dtype,
-                                   model.identity)
+                                   model.identity, prefetch_pages=prefetch_pages)
         elif regenerator == "recompute":
             self.backend = RecomputeKv(model)
         else:
             raise ConfigError("regenerator", f"unknown regenerator {regenerator!r} "
                                              "(choose: spill, recompute)")
+        self.reserved_bytes = 0 if self.budget is None else self.budget - hot
         self.n_tokens = 0
         self._heads = list(range(c.n_kv_heads))
 
     def store_kv(self, layer: int, pos0: int, x: np.ndarray, k: np.ndarray, v: np.ndarray):
-        """Rows k, v (T, n_kv, hd) f32 of tokens pos0.. : hot cache as allowed, page file always."""
-        k_st, v_st = self.atlas.write_rows(layer, pos0, k, v, self.policy)
+        """Rows k, v (T, n_kv, hd) f32 of tokens pos0.. : the regenerator's copy first (so a full
+        disk fails before the hot cache changes), then the hot cache as the policy allows."""
         if isinstance(self.backend, SpillKv):
+            dtype = self.atlas.config.dtype
+            k_st, v_st = round_rows(k, dtype), round_rows(v, dtype)
             for h in self._heads:
                 self.backend.write(layer, h, pos0, k_st[:, h], v_st[:, h])
         elif isinstance(self.backend, RecomputeKv):
             self.backend.write(layer, pos0, x)
+        self.atlas.write_rows(layer, pos0, k, v, self.policy)
 
     def attend(self, layer: int, q: np.ndarray, context: int) -> np.ndarray:
         """q (T, n_kv, group, hd) -> (T, n_kv, group, hd) over the whole causal context."""
@@ -106,8 +112,7 @@ class Session:
         c = self.model.config
         return {
             "budget_bytes": self.budget,
-            "peak_resident_kv_bytes": t.peak_resident_bytes + t.scratch_bytes
-            if self.budget is not None else t.peak_resident_bytes,
+            "peak_resident_kv_bytes": t.peak_resident_bytes + self.reserved_bytes,
             "full_kv_bytes": self.n_tokens * c.kv_bytes_per_token(self.atlas.config.dtype.itemsize),
             "pages_regenerated": t.total.regenerations,
             "hot_hit_rate": t.total.hit_rate,
@@ -116,6 +121,8 @@ class Session:
         }
 
     def close(self) -> None:
+        """Release the sequence: hot pages, page file, kept inputs."""
+        self.atlas.reset()
         close = getattr(self.backend, "close", None)
         if close:
             close()

@@ -1,0 +1,47 @@
+"""`cfr-atlas serve`: argument handling and wiring, with uvicorn.run replaced by a recorder."""
+
+from __future__ import annotations
+
+import inspect
+
+import uvicorn
+
+from cfr_atlas import cli
+from cfr_atlas.engine import load_model
+from cfr_atlas.serve.app import load_for_serving
+
+
+def test_serve_defaults_are_loopback_and_ollama_port():
+    a = cli._parser().parse_args(["serve"])
+    assert (a.host, a.port, a.model, a.kv_budget, a.prefix_cache) == (
+        "127.0.0.1", 11434, None, None, None)
+
+
+def test_serve_wires_config_into_uvicorn(monkeypatch, tiny_llama, tmp_path, capsys):
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    code = cli.main(["serve", "--model", str(tiny_llama), "--port", "8123", "--name", "mini",
+                     "--kv-budget", "1MiB", "--cache-dir", str(tmp_path), "--max-active", "2",
+                     "--max-queue", "3", "--max-tokens", "64", "--prefix-cache",
+                     str(tmp_path / "prefix")])
+    assert code == 0
+    assert (seen["host"], seen["port"]) == ("127.0.0.1", 8123)
+    service = seen["app"].state.service
+    cfg = service.config
+    assert (cfg.kv_budget, cfg.max_active, cfg.max_queue, cfg.max_tokens) == (1 << 20, 2, 3, 64)
+    assert service.card.name == "mini:latest"
+    err = capsys.readouterr().err
+    assert "serving mini:latest on http://127.0.0.1:8123" in err
+
+
+def test_serve_bad_arguments_exit_2(capsys):
+    assert cli.main(["serve", "--kv-budget", "lots"]) == 2
+    assert cli.main(["serve", "--max-queue", "0"]) == 2
+    assert "max_queue" in capsys.readouterr().err
+
+
+def test_prefix_cache_passes_through_or_warns(tiny_llama, tmp_path, capsys):
+    model = load_for_serving(str(tiny_llama), str(tmp_path))
+    assert model.config.n_layers == 2
+    if "prefix_cache" not in inspect.signature(load_model).parameters:
+        assert "--prefix-cache is not supported" in capsys.readouterr().err

@@ -1,0 +1,138 @@
+"""The scheduler and the text cutter without HTTP: round-robin order, admission limits,
+cancellation, failure isolation; StopText against Model.stream; prefill chunk boundaries."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from cfr_atlas.errors import ConfigError, QueueFullError
+from cfr_atlas.generate import DEFAULT_CHUNK, generate_steps
+from cfr_atlas.sampling import SamplingParams
+from cfr_atlas.serve.jobs import Job, prefeed_end
+from cfr_atlas.serve.scheduler import Scheduler
+from cfr_atlas.serve.stops import StopText
+
+
+class FakeChannel:
+    def __init__(self):
+        self.events = []
+        self.cancelled = threading.Event()
+
+    def put(self, kind, value):
+        self.events.append((kind, value))
+
+
+class CountingJob(Job):
+    """Takes `n` steps, appending its name to a shared log; optionally fails at step `fail`."""
+
+    def __init__(self, name, n, log, fail=None, gate=None):
+        super().__init__(FakeChannel())
+        self.name, self.n, self.log, self.fail, self.gate = name, n, log, fail, gate
+        self.released = 0
+
+    def step(self):
+        if self.gate is not None:
+            self.gate.wait(5)
+        self.log.append(self.name)
+        if len([x for x in self.log if x == self.name]) == self.fail:
+            raise ConfigError("fake", "failed on purpose")
+        return self.log.count(self.name) == self.n
+
+    def release(self):
+        self.released += 1
+
+
+def wait_idle(s: Scheduler, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        st = s.stats()
+        if st.active == 0 and st.queued == 0 and st.submitted == (
+                st.completed + st.failed + st.cancelled):
+            return st
+        time.sleep(0.005)
+    raise AssertionError(s.stats())
+
+
+def test_round_robin_release_and_failure_isolation():
+    s, log, gate = Scheduler(max_active=3, max_queue=8), [], threading.Event()
+    jobs = [CountingJob("a", 3, log, gate=gate), CountingJob("b", 2, log),
+            CountingJob("c", 3, log, fail=2), CountingJob("d", 1, log)]
+    for job in jobs:
+        s.submit(job)
+    s.start()
+    gate.set()
+    st = wait_idle(s)
+    s.stop()
+    # a, b, c admitted together (limit 3), stepped in turn; c fails on its 2nd step, its slot
+    # goes to d at the next round
+    assert log == ["a", "b", "c", "a", "b", "c", "a", "d"]
+    assert [j.released for j in jobs] == [1, 1, 1, 1]
+    assert jobs[2].channel.events[-1][0] == "error"
+    assert st.completed == 3 and st.failed == 1
+
+
+def test_queue_limit_and_cancel_while_waiting():
+    s, log = Scheduler(max_active=1, max_queue=2, retry_after=3), []
+    jobs = [CountingJob(str(i), 1, log) for i in range(2)]
+    for job in jobs:
+        s.submit(job)
+    with pytest.raises(QueueFullError) as e:
+        s.submit(CountingJob("x", 1, log))
+    assert e.value.retry_after == 3 and "limit 2" in str(e.value)
+    s.cancel(jobs[0])  # still waiting: dropped at once, never stepped nor released
+    st = s.stats()
+    assert st.queued == 1 and st.cancelled == 1 and st.rejected == 1
+    s.start()
+    wait_idle(s)
+    s.stop()
+    assert log == ["1"] and jobs[0].released == 0
+
+
+def test_cancel_active_job_releases_it():
+    s, log = Scheduler(max_active=2, max_queue=2), []
+    forever = CountingJob("f", 10**9, log)
+    s.start()
+    s.submit(forever)
+    while not log:
+        time.sleep(0.001)
+    s.cancel(forever)
+    st = wait_idle(s)
+    s.stop()
+    assert forever.released == 1 and st.cancelled == 1
+
+
+@pytest.mark.parametrize("stops", [(), ("e",), ("th", "xyz"), ("or",), ("\n",)])
+def test_stop_text_matches_model_stream(reference, stops):
+    prompt, n = "hello world", 24
+    ids = []
+    session = reference.session()
+    for step in generate_steps(reference.net, session, reference.tokenize(prompt),
+                               SamplingParams(), max_tokens=n,
+                               eos_ids=reference.tokenizer.eos_ids):
+        ids.append(step)
+    session.close()
+    cutter, out = StopText(reference.tokenizer, stops), []
+    for step in ids:
+        if step.finish_reason == "stop":
+            out.append(cutter.end())
+            break
+        piece, hit = cutter.push(step.token)
+        out.append(piece)
+        if hit:
+            break
+    else:
+        out.append(cutter.flush())
+    assert "".join(out) == reference.generate(prompt, max_tokens=n, stop=list(stops))
+
+
+def test_prefeed_end_respects_chunks_and_penalty_window():
+    C = DEFAULT_CHUNK
+    assert prefeed_end(C, SamplingParams()) == 0  # the last token is always generate_steps'
+    assert prefeed_end(C + 1, SamplingParams()) == C
+    assert prefeed_end(3 * C + 5, SamplingParams()) == 3 * C
+    penalised = SamplingParams(repeat_penalty=1.1, repeat_last_n=64)
+    assert prefeed_end(C + 63, penalised) == 0 and prefeed_end(C + 64, penalised) == C
+    assert prefeed_end(10 * C, SamplingParams(repeat_penalty=1.1, repeat_last_n=-1)) == 0
