@@ -26,5 +26,14 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
+# HF transformers conformance (docs/CONFORMANCE.md): torch first, pinned to the CPU build, so
+# transformers cannot pull a CUDA one. `pip uninstall torch transformers accelerate` afterwards
+# keeps .venv light; without them the conformance tests skip.
+conformance: $(STAMP)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet transformers==5.24.0 accelerate==1.15.0
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -s -p no:cacheprovider \
+		tests/models/test_conformance_hf.py tests/text -k "hf or transformers or conformance"
+
 clean:
 	rm -rf $(VENV) build src/*.egg-info

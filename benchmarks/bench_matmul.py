@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256, help="T for matmul (default: %(default)s)")
     p.add_argument("--budget", type=float, default=1.0,
                    help="seconds per measurement pair, summed over passes (default: %(default)s)")
-    p.add_argument("--passes", type=int, default=10,
+    p.add_argument("--passes", type=int, default=6,
                    help="rounds over all cases, at least 2 runs each (default: %(default)s)")
     p.add_argument("--stat", choices=["median", "min"], default="median",
                    help="per-call time statistic; min estimates an otherwise idle machine "

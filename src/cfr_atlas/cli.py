@@ -9,7 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cfr_atlas.errors import AtlasError
+from cfr_atlas.errors import AtlasError, UnsupportedArchitectureError, UnsupportedQuantError
+
+# What to do, appended to errors whose message only says what is wrong.
+_HINTS = {
+    UnsupportedQuantError: "; convert or re-quantize the model to one of those types",
+    UnsupportedArchitectureError: "; use a GGUF of one of those model families",
+}
 
 _KV_HELP = ("K/V memory budget, e.g. 16MiB (default: unbounded, all K/V in RAM); pages beyond it "
             "are regenerated exactly, so output does not change")
@@ -208,7 +214,9 @@ def main(argv=None) -> int:
     try:
         return commands[args.cmd](args) or 0
     except AtlasError as e:
-        print(f"cfr-atlas: error: {e}", file=sys.stderr)
+        hint = next((h for t, h in _HINTS.items() if isinstance(e, t)), "")
+        message = " ".join(f"{e}{hint}".splitlines())  # one line, whatever the message holds
+        print(f"cfr-atlas: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import uvicorn
 
+from cfr_atlas.errors import ConfigError
 from cfr_atlas.generate import generate_steps
 from cfr_atlas.sampling import SamplingParams
 from cfr_atlas.serve import ServerConfig, create_app
@@ -77,3 +78,15 @@ def engine_text(model, prompt: str, params: SamplingParams, n: int) -> str:
         return model.detokenize([s.token for s in steps if s.finish_reason != "stop"])
     finally:
         session.close()
+
+
+def small_budget(model) -> int:
+    """A K/V budget just above the session's fixed scratch: tight enough that a prompt of a few
+    pages must regenerate pages, whatever the scratch formula is today."""
+    budget = 16 << 10
+    while True:
+        try:
+            model.session(kv_budget=budget).close()
+            return budget + (64 << 10)
+        except ConfigError:
+            budget *= 2

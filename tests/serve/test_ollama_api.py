@@ -6,7 +6,7 @@ import httpx
 import numpy as np
 import ollama
 import pytest
-from serve_support import MODEL, engine_text
+from serve_support import MODEL, engine_text, small_budget
 
 from cfr_atlas.sampling import SamplingParams
 
@@ -94,9 +94,11 @@ def test_stop_string_cuts_and_reports_stop(client, reference):
 LONG = " ".join(["the city of Paris is the capital of France"] * 70)  # > 2 prefill chunks
 
 
-@pytest.mark.parametrize("extra", [{}, {"kv_budget": "40KiB"}, {"repeat_last_n": -1},
+@pytest.mark.parametrize("extra", [{}, {"kv_budget": "small"}, {"repeat_last_n": -1},
                                    {"repeat_last_n": 300}])
 def test_long_prompt_chunked_prefill_and_kv_budget_are_exact(server, reference, extra):
+    if "kv_budget" in extra:
+        extra = {"kv_budget": small_budget(reference)}
     params = SamplingParams(repeat_penalty=1.1, repeat_last_n=extra.get("repeat_last_n", 64))
     opts = {"num_predict": 4, "repeat_penalty": 1.1, **extra}
     r = httpx.post(server.url + "/api/generate", timeout=60, json={
@@ -110,7 +112,7 @@ def test_long_prompt_chunked_prefill_and_kv_budget_are_exact(server, reference, 
     assert body["prompt_eval_cached_count"] == 0
     telemetry = body["cfr_atlas"]
     if "kv_budget" in extra:
-        assert telemetry["budget_bytes"] == 40 << 10
+        assert telemetry["budget_bytes"] == extra["kv_budget"]
         assert telemetry["pages_regenerated"] > 0  # the budget really was in force
     else:
         assert telemetry["budget_bytes"] is None
@@ -127,9 +129,11 @@ def test_embed_and_old_embeddings(client, reference):
     np.testing.assert_allclose(old.embedding, reference.embedding("Paris"), rtol=1e-6)
 
 
-def test_empty_prompt_loads_without_generating(client):
+def test_preload_requests_generate_nothing(client, server):
     r = client.generate(model=MODEL, prompt="")
     assert r.done and r.done_reason == "load" and r.response == ""
+    r = httpx.post(server.url + "/api/chat", json={"model": MODEL, "messages": None})
+    assert r.status_code == 200 and r.json()["done_reason"] == "load"  # as `ollama run` sends
 
 
 def test_unknown_model_is_404(client):

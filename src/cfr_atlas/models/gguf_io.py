@@ -36,10 +36,15 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path).expanduser()
         if not self.path.is_file():
-            raise ModelFormatError(f"model file {self.path} does not exist "
+            what = "is a directory" if self.path.is_dir() else "does not exist"
+            raise ModelFormatError(f"model file {self.path} {what} "
                                    f"(give a path to a .gguf file, or {BUNDLED_HINT})")
-        with open(self.path, "rb") as f:
-            magic = f.read(4)
+        try:
+            with open(self.path, "rb") as f:
+                magic = f.read(4)
+        except OSError as e:  # e.g. no read permission: a user's problem, not a bug
+            raise ModelFormatError(f"cannot read model file {self.path} ({e.strerror}); "
+                                   "check its permissions") from None
         if magic != b"GGUF":
             raise ModelFormatError(f"{self.path} is not a GGUF file (magic {magic!r}); "
                                    "convert the model with llama.cpp's convert_hf_to_gguf.py")

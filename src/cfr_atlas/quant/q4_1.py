@@ -47,7 +47,7 @@ def _fields(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _values(d: np.ndarray, m: np.ndarray, q: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """d, m (n, nb), q (n, nb * QK) -> out (n, nb * QK) = (d * q) + m, two float32 roundings."""
+    """d, m (n, nb), q (n, nb * QK) -> out (n, nb * QK) = (d * q) + m; only the add rounds."""
     n, nb = d.shape
     out3 = out.reshape(n, nb, QK)
     np.multiply(d[:, :, None], q.reshape(n, nb, QK), out=out3, dtype=np.float32)

@@ -25,7 +25,9 @@ R = TILE_ROWS
 # Rounding facts. f16 -> f32 is exact (subnormals included), and so is d * q in float32: an
 # 11-bit significand times an 8-bit integer needs 19 bits, and the smallest f16 subnormal times
 # 1 is still a float32 normal. Dequantization therefore rounds nothing and matches gguf-py's
-# `x * d` exactly; the kernels round at each product q * x and each add (see tiles.py).
+# `x * d` exactly; the kernels round at each product q * x and each add (see tiles.py). (gguf's
+# quantizer rounds half away from zero, unlike NumPy's half-to-even np.round; cfr-atlas never
+# quantizes, so only dequantization and kernel rounding matter here.)
 
 
 class Tiles(NamedTuple):

@@ -88,6 +88,7 @@ def serve(config: ServerConfig, prefix_cache: str | None = None) -> None:
     import uvicorn
 
     model = load_for_serving(config.model_path, prefix_cache)
+    model.generate("hi", max_tokens=2)  # compile the kernels before a client waits for them
     app = create_app(model, config)
     if config.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"cfr-atlas: warning: listening on {config.host}: the API has no "

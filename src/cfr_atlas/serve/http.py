@@ -16,7 +16,7 @@ import functools
 import json
 import logging
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cfr_atlas.errors import (
@@ -128,7 +128,7 @@ def endpoint(render_error):
         async def run(request: Request) -> Response:
             try:
                 return await handler(request)
-            except ClientGone:
+            except (ClientGone, ClientDisconnect):
                 return Response(status_code=499)  # nobody reads it; nginx's "client closed"
             except AtlasError as exc:
                 return render_error(exc)
@@ -156,7 +156,9 @@ async def stream(request: Request, handle, render, render_error, media_type: str
                 if event[0] == "done":
                     return
                 event = await handle.next_event()
-        except AtlasError as exc:
+        except Exception as exc:  # typed or not, the client gets a last line saying so
+            if not isinstance(exc, AtlasError):
+                log.exception("%s %s failed mid-stream", request.method, request.url.path)
             yield render_error(exc)
         finally:
             handle.cancel()  # a no-op once the job has ended

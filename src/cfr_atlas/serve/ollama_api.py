@@ -115,9 +115,13 @@ async def chat(request: Request) -> Response:
     service, body, name = await _request(request)
     for key, why in _UNSUPPORTED[1:]:
         refuse(body, key, why)
-    messages = chat_messages(body)
     streaming = get_bool(body, "stream", True)
     opts = ollama_options(body, service.context_length)
+    if body.get("messages") is None:  # `ollama run` preloads with messages: null
+        return JSONResponse({"model": name, "created_at": _now(), "done": True,
+                             "message": {"role": "assistant", "content": ""},
+                             "done_reason": "load"})
+    messages = chat_messages(body)  # an explicit [] is a 400
     handle = service.start_generation(service.chat_ids(messages), opts)
     return await _respond(request, handle, name, streaming,
                           lambda text: {"message": {"role": "assistant", "content": text}})

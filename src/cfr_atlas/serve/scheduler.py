@@ -110,7 +110,7 @@ class Scheduler:
                     break
                 while self._pending and len(self._active) < self.max_active:
                     self._active.append(self._pending.popleft())
-                self._stats.queued = len(self._pending)
+                self._stats.queued, self._stats.active = len(self._pending), len(self._active)
                 active = list(self._active)
             for job in active:
                 self._turn(job)
@@ -144,9 +144,11 @@ class Scheduler:
             s.prompt_tokens += prompt
             s.generated_tokens += generated
             self._retired_kv = (self._retired_kv[0] + hits, self._retired_kv[1] + regens)
+        self._publish()
 
     def _publish(self) -> None:
-        """Refresh the K/V gauges from the active jobs (worker thread: no race on sessions)."""
+        """Refresh the gauges from the active jobs (worker thread: no race on sessions); the
+        active count and the K/V bytes change together, under one lock."""
         with self._cv:
             active = list(self._active)
         kv = [job.kv_stats() for job in active]

@@ -1,0 +1,85 @@
+"""ADAPTERS.md's conformance sequence on the bundled SmolLM2-135M, for both regenerators.
+
+1. rows: for every layer and K/V head, the rows each regenerator writes for the first, a
+   middle and the partial last page equal the rows the unbounded path stored (bitwise);
+2. attention: a fold over regenerated pages equals the fold over stored pages (bitwise);
+3. logits: a budgeted run equals the unbounded run at every position (bitwise).
+CONFORMANCE_TOKENS (default 4096) sets the context of steps 1-2; step 3 uses 1,024 tokens to
+keep the suite short (`cfr-atlas validate` runs it at 8,192).
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from cfr_atlas.atlas import Atlas, AtlasConfig, NeverAdmit, PageKey, widen
+from cfr_atlas.engine import load_model
+from cfr_atlas.generate import prefill
+from cfr_atlas.validate import run_validation, validation_text
+
+pytestmark = pytest.mark.slow
+N = int(os.environ.get("CONFORMANCE_TOKENS", "4096"))
+PAGE = 256
+
+
+@pytest.fixture(scope="module")
+def model(bundled_model_path):
+    return load_model(bundled_model_path)
+
+
+@pytest.fixture(scope="module")
+def ids(model):
+    return np.array(model.tokenize(validation_text())[:N - 3], dtype=np.int64)  # partial tail
+
+
+def _stored_rows(session, key: PageKey, n: int):
+    lay = session.atlas.cache.layers[key.layer]
+    slot, have = session.atlas.cache.page_state(key)
+    assert slot >= 0 and have == n, "the unbounded path must hold every page"
+    dt = session.atlas.config.dtype
+    return widen(lay.k[slot, :n], dt), widen(lay.v[slot, :n], dt)
+
+
+@pytest.mark.parametrize("regen", ["spill", "recompute"])
+def test_rows_then_attention_match_the_stored_path(model, ids, tmp_path, regen):
+    c = model.config
+    s = model.session(kv_budget="4GiB", regenerator=regen, page_tokens=PAGE, cache_dir=tmp_path,
+                      context_limit=N)
+    prefill(model.net, s, ids)  # budget holds everything: rows resident AND in the regenerator
+    n_pages = -(-len(ids) // PAGE)
+    rng = np.random.default_rng(0)
+    for layer in range(c.n_layers):
+        for head in range(c.n_kv_heads):
+            for p in (0, n_pages // 2, n_pages - 1):
+                key = PageKey(layer, head, p * PAGE)
+                n = min(PAGE, len(ids) - p * PAGE)
+                k_ref, v_ref = _stored_rows(s, key, n)
+                k, v = np.empty_like(k_ref), np.empty_like(v_ref)
+                s.backend.regenerate_page(key, range(key.start_token, key.start_token + n), k, v)
+                assert np.array_equal(k, k_ref) and np.array_equal(v, v_ref), key
+        q = rng.standard_normal((1, c.n_kv_heads, c.group, c.head_dim)).astype(np.float32)
+        stored = s.atlas.attend_heads(s.backend, layer, range(c.n_kv_heads), q, len(ids))
+        cold = Atlas(AtlasConfig(page_tokens=PAGE, head_dim=c.head_dim))
+        regenerated = cold.attend_heads(s.backend, layer, range(c.n_kv_heads), q, len(ids),
+                                        NeverAdmit())
+        assert np.array_equal(stored, regenerated)
+        assert cold.telemetry().total.regenerations == c.n_kv_heads * n_pages
+    s.close()
+
+
+@pytest.mark.parametrize("regen", ["spill", "recompute"])
+def test_budgeted_logits_match_at_every_position(model, ids, tmp_path, regen):
+    part = ids[:1024]
+    base = model.logits(part)
+    got = model.logits(part, kv_budget="1MiB", regenerator=regen, cache_dir=tmp_path,
+                       chunk_tokens=100)
+    assert np.array_equal(got, base)
+    assert model.last_telemetry["pages_regenerated"] > 0
+
+
+def test_validate_small(model, tmp_path):
+    report = run_validation(model, tokens=600, kv_budget="1MiB", continuation=8,
+                            cache_dir=tmp_path, progress=False)
+    assert report.passed, report.table()
+    assert report.telemetry["peak_resident_kv_bytes"] <= 1 << 20

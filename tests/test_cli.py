@@ -1,0 +1,266 @@
+"""`cfr-atlas` from the command line: one-line errors with exit code 2, help, inspect, generate.
+
+Every bad model file is built in a temp dir from a tiny GGUF: missing, a directory, not GGUF,
+truncated (in the header and in the tensor data), an unsupported architecture, an unsupported
+quant type. Each must give exactly one stderr line `cfr-atlas: error: ...` that names the
+problem and what to do, exit code 2 and no traceback. Tiny models only, except one slow test
+on the bundled model. The serve subcommand's wiring is tested in tests/serve/test_cli_serve.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES
+
+from cfr_atlas import cli
+from cfr_atlas.engine import load_model
+from cfr_atlas.validate import validation_text
+
+PROMPT = "The capital of France is"
+TELEMETRY = ("kv budget", "peak resident kv", "full kv", "pages regen'd", "hot hit rate",
+             "regen seconds", "tokens/s")
+
+
+def rewrite_gguf(src: Path, dst: Path, *, arch: str | None = None,
+                 retype: dict[str, GGMLQuantizationType] | None = None) -> Path:
+    """Copy GGUF `src` to `dst` field by field and tensor by tensor, with general.architecture
+    set to `arch` and the tensors named in `retype` stored as zero blocks of another type."""
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, arch or r.fields["general.architecture"].contents())
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue  # written by GGUFWriter itself
+        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    for t in r.tensors:
+        new = (retype or {}).get(t.name)
+        if new is None:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+            continue
+        rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims innermost first
+        block_elems, block_bytes = GGML_QUANT_SIZES[new]
+        w.add_tensor(t.name, np.zeros((rows, cols // block_elems * block_bytes), dtype=np.uint8),
+                     raw_dtype=new)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory, tiny_llama, tiny_gguf) -> dict[str, Path]:
+    """name -> a model path that must be refused with a one-line error."""
+    d = tmp_path_factory.mktemp("bad_models")
+    data = tiny_llama.read_bytes()
+    files = {"missing": d / "missing.gguf", "directory": d}
+    for name, content in (("not_gguf", b"<html>Not Found</html>\n"),
+                          ("truncated_header", data[:200]),
+                          ("truncated_tensors", data[:-1000])):
+        files[name] = d / f"{name}.gguf"
+        files[name].write_bytes(content)
+    files["mamba"] = rewrite_gguf(tiny_llama, d / "mamba.gguf", arch="mamba")
+    wide = tiny_gguf(dim=256, hidden_dim=256)  # rows of 256: whole Q5_K super-blocks
+    files["q5_k"] = rewrite_gguf(wide, d / "q5_k.gguf",
+                                 retype={"blk.1.attn_q.weight": GGMLQuantizationType.Q5_K})
+    return files
+
+
+# each bad file -> phrases its one error line must hold: what is wrong, then what to do
+EXPECTED = {
+    "missing": ("does not exist", "give a path to a .gguf file"),
+    "directory": ("is a directory", "give a path to a .gguf file"),
+    "not_gguf": ("is not a GGUF file", "convert the model"),
+    "truncated_header": ("truncated", "download or convert it again"),
+    "truncated_tensors": ("truncated", "download or convert it again"),
+    "mamba": ("architecture 'mamba' is not supported", "llama, qwen2",
+              "use a GGUF of one of those"),
+    "q5_k": ("blk.1.attn_q.weight", "Q5_K", "Q8_0, Q4_0, Q4_1", "re-quantize"),
+}
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *phrases: str) -> None:
+    assert code == 2, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cfr-atlas: error: "), err
+    assert "Traceback" not in err
+    for phrase in phrases:
+        assert phrase in lines[0], (phrase, lines[0])
+
+
+# --- bad model files --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+def test_generate_refuses_bad_model_file(capsys, bad_files, name):
+    code, out, err = run(capsys, "generate", "--model", bad_files[name], "--max-tokens", 1, "hi")
+    assert_one_line_error(code, err, *EXPECTED[name])
+    assert out == ""
+
+
+@pytest.mark.parametrize("name", [n for n in EXPECTED if n != "q5_k"])  # inspect loads no weights
+def test_inspect_refuses_bad_model_file(capsys, bad_files, name):
+    code, _, err = run(capsys, "inspect", bad_files[name])
+    assert_one_line_error(code, err, *EXPECTED[name])
+
+
+@pytest.mark.parametrize("cmd", ["chat", "validate"])
+def test_other_commands_refuse_a_missing_model(capsys, bad_files, cmd):
+    code, _, err = run(capsys, cmd, "--model", bad_files["missing"])
+    assert_one_line_error(code, err, *EXPECTED["missing"])
+
+
+@pytest.mark.parametrize("name", ["truncated_tensors", "q5_k"])
+def test_subprocess_prints_no_traceback(bad_files, name):
+    proc = subprocess.run(
+        [sys.executable, "-m", "cfr_atlas.cli", "generate", "--model", str(bad_files[name]),
+         "--max-tokens", "1", "hi"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert_one_line_error(proc.returncode, proc.stderr, *EXPECTED[name])
+    assert proc.stdout == ""
+
+
+# --- bad options ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, phrases", [
+    (["--kv-budget", "abc"], ("kv_budget", "cannot read 'abc' as a size", "16MiB")),
+    (["--kv-budget", "1KiB"], ("kv_budget", "below the scratch")),
+    (["--max-tokens", "-1"], ("max_tokens", "-1")),
+])  # fmt: skip
+def test_bad_option_values_exit_2(capsys, tiny_llama, tmp_path, argv, phrases):
+    code, _, err = run(capsys, "generate", "--model", tiny_llama, "--cache-dir", tmp_path,
+                       *argv, PROMPT)
+    assert_one_line_error(code, err, *phrases)
+
+
+def test_unparseable_option_is_argparse_usage_error(capsys, tiny_llama):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["generate", "--model", str(tiny_llama), "--max-tokens", "four", PROMPT])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid int value: 'four'" in err and "Traceback" not in err
+
+
+# --- help ---------------------------------------------------------------------------------------
+
+SAMPLING = ["--model", "--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
+            "--repeat-penalty", "--seed", "--kv-budget", "--regenerator", "--kv-dtype",
+            "--cache-dir", "--raw"]
+HELP = {
+    "generate": ["prompt", *SAMPLING],
+    "chat": SAMPLING,
+    "inspect": ["file"],
+    "validate": ["--model", "--tokens", "--kv-budget", "--regenerator", "--continuation",
+                 "--chunk-tokens", "--cache-dir"],
+    "serve": ["--host", "--port", "--model", "--name", "--kv-budget", "--cache-dir",
+              "--prefix-cache", "--max-active", "--max-queue", "--max-tokens"],
+}
+
+
+@pytest.mark.parametrize("cmd", HELP)
+def test_subcommand_help_lists_its_options(capsys, monkeypatch, cmd):
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as exc:
+        cli.main([cmd, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: cfr-atlas {cmd}")
+    for option in HELP[cmd]:
+        assert option in out, option
+
+
+def test_top_level_help_lists_subcommands(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert all(cmd in out for cmd in HELP)
+
+
+# --- inspect and generate on a tiny model -------------------------------------------------------
+
+
+def test_inspect_prints_metadata_tensors_and_kv_bytes_per_token(capsys, tiny_llama):
+    code, out, _ = run(capsys, "inspect", tiny_llama)
+    assert code == 0
+    assert f"file: {tiny_llama}" in out
+    assert "general.architecture = llama" in out and "llama.block_count = 2" in out
+    assert "Q8_0" in out and "F32" in out  # matrices and norms
+    per_token = 2 * 2 * 2 * (64 // 4)  # K and V, 2 layers, 2 kv heads, head_dim 16
+    assert f"K/V bytes per token: {per_token * 4:,} (float32), {per_token * 2:,} (float16)" in out
+
+
+def telemetry(err: str) -> dict[str, str]:
+    """The `# name value` lines on stderr, which must be exactly the telemetry lines."""
+    lines = err.splitlines()
+    assert [line[2:18].strip() for line in lines] == list(TELEMETRY), err
+    return {line[2:18].strip(): line[19:] for line in lines}
+
+
+def size_bytes(text: str) -> float:
+    """'384.0 KiB' -> 393216.0, as the CLI prints sizes."""
+    value, unit = text.split()
+    return float(value) * 1024 ** ["B", "KiB", "MiB", "GiB"].index(unit)
+
+
+def test_generate_prints_text_then_telemetry_on_stderr(capsys, tiny_llama, tmp_path):
+    code, out, err = run(capsys, "generate", "--model", tiny_llama, "--max-tokens", 4,
+                         "--cache-dir", tmp_path, "--raw", PROMPT)
+    assert code == 0
+    assert out == load_model(tiny_llama).generate(PROMPT, max_tokens=4) + "\n"
+    assert out.strip()
+    t = telemetry(err)
+    assert t["kv budget"] == "unbounded" and t["pages regen'd"] == "0"
+    assert t["tokens/s"].endswith("(4 tokens, prompt 5)")
+
+
+@pytest.mark.parametrize("regenerator", ["spill", "recompute"])
+def test_generate_under_kv_budget_prints_the_same_text(capsys, tiny_llama, tmp_path,
+                                                       regenerator):
+    prompt = validation_text()[:2500]  # ~1800 tiny tokens: 900 KiB of K/V against 384 KiB
+    common = ["generate", "--model", tiny_llama, "--max-tokens", 4, "--cache-dir", tmp_path,
+              "--raw", prompt]
+    code, full_out, full_err = run(capsys, *common)
+    assert code == 0
+    code, out, err = run(capsys, *common, "--kv-budget", "384KiB", "--regenerator", regenerator)
+    assert code == 0
+    assert out == full_out and out.strip()
+    t = telemetry(err)
+    assert t["kv budget"] == "384.0 KiB"
+    assert size_bytes(t["peak resident kv"]) <= 384 * 1024
+    assert t["full kv"] == telemetry(full_err)["full kv"]
+    assert int(t["pages regen'd"].replace(",", "")) > 0
+
+
+def test_generate_applies_the_chat_template_unless_raw(capsys, tiny_llama, tmp_path):
+    _, _, err = run(capsys, "generate", "--model", tiny_llama, "--max-tokens", 1,
+                    "--cache-dir", tmp_path, PROMPT)
+    model = load_model(tiny_llama)
+    n_chat = len(model.tokenize(model.chat_prompt([{"role": "user", "content": PROMPT}])))
+    assert telemetry(err)["tokens/s"].endswith(f"prompt {n_chat})")
+
+
+@pytest.mark.slow
+def test_bundled_model_end_to_end(capsys, bundled_model_path, tmp_path):
+    code, out, _ = run(capsys, "inspect")
+    assert code == 0 and "K/V bytes per token: 46,080 (float32)" in out
+    args = ["generate", "--max-tokens", 8, "--cache-dir", tmp_path,
+            "What is the capital of France? Answer in one word."]
+    code, full, _ = run(capsys, *args)
+    assert code == 0 and "Paris" in full
+    code, budgeted, err = run(capsys, *args, "--kv-budget", "2MiB")
+    assert code == 0 and budgeted == full
+    assert telemetry(err)["kv budget"] == "2.0 MiB"
