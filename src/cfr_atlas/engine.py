@@ -15,20 +15,28 @@ import numpy as np
 from cfr_atlas.generate import DEFAULT_CHUNK, Timer, check_ids, generate_steps, prefill
 from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
 from cfr_atlas.models.llama import LlamaModel
+from cfr_atlas.models.prefix import PrefixTier, default_prefix_dir
 from cfr_atlas.models.session import Session
 from cfr_atlas.sampling import SamplingParams
 from cfr_atlas.text import ChatTemplate, StreamDecoder, Tokenizer
 
 
-def load_model(path: str | os.PathLike | None = None) -> Model:
-    """Load a GGUF model (default: the bundled SmolLM2-135M-Instruct Q4_1)."""
-    return Model(GGUFFile(path if path is not None else bundled_model_path()))
+def load_model(path: str | os.PathLike | None = None, *,
+               prefix_cache: str | os.PathLike | bool | None = None) -> Model:
+    """Load a GGUF model (default: the bundled SmolLM2-135M-Instruct Q4_1).
+
+    prefix_cache: a folder for the persistent prefix cache (True: the per-user default,
+    ~/.cache/cfr-atlas/prefix); prompts that start with cached whole blocks skip recomputing
+    them, with bitwise the same results. None (default): no prefix cache.
+    """
+    return Model(GGUFFile(path if path is not None else bundled_model_path()),
+                 prefix_cache=prefix_cache)
 
 
 class Model:
     """A loaded model with its tokenizer; see the module docstring."""
 
-    def __init__(self, gf: GGUFFile):
+    def __init__(self, gf: GGUFFile, *, prefix_cache=None):
         self.path = gf.path
         self.identity = gf.identity()
         self.net = LlamaModel(gf)
@@ -36,6 +44,8 @@ class Model:
         self.config = self.net.config
         self.tokenizer = Tokenizer.from_gguf(gf.reader)
         self.chat_template = ChatTemplate.from_gguf(gf.reader, self.tokenizer)
+        folder = default_prefix_dir() if prefix_cache is True else prefix_cache
+        self.prefix = None if not folder else PrefixTier(self.net, self.identity, folder)
         self.last_telemetry: dict = {}
 
     # --- text ------------------------------------------------------------------------------
@@ -49,7 +59,7 @@ class Model:
     def session(self, **kv) -> Session:
         """A fresh sequence: kv_budget, regenerator, policy, storage_dtype, page_tokens,
         cache_dir (see `Session`)."""
-        return Session(self.net, **kv)
+        return Session(self.net, prefix=self.prefix, **kv)
 
     def logits(self, ids, *, chunk_tokens: int = DEFAULT_CHUNK, **kv) -> np.ndarray:
         """Next-token logits at every position: (len(ids), vocab) float32."""

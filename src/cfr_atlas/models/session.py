@@ -12,9 +12,10 @@ import re
 
 import numpy as np
 
-from cfr_atlas.atlas import Atlas, AtlasConfig, KeepAll, KeepRecent, PageKey, round_rows
+from cfr_atlas.atlas import Atlas, AtlasConfig, KeepAll, KeepRecent, PageKey, round_rows, widen
 from cfr_atlas.errors import ConfigError, RegeneratorError
 from cfr_atlas.kv import SpillKv
+from cfr_atlas.models.prefix import BlockBuilder, BlockSource
 from cfr_atlas.models.recompute import RecomputeKv
 
 UNBOUNDED = 1 << 40
@@ -49,7 +50,7 @@ class Session:
 
     def __init__(self, model, *, kv_budget=None, regenerator: str = "spill", policy=None,
                  storage_dtype: str = "float32", page_tokens: int = 256, cache_dir=None,
-                 context_limit: int | None = None, prefetch_pages: int = 2):
+                 context_limit: int | None = None, prefetch_pages: int = 2, prefix=None):
         c = model.config
         self.model = model
         self.context_limit = c.context_length if context_limit is None else context_limit
@@ -89,18 +90,58 @@ class Session:
                                              "(choose: spill, recompute)")
         self.reserved_bytes = 0 if self.budget is None else self.budget - hot
         self.n_tokens = 0
+        self.token_ids: list[int] = []
+        self.cached_tokens = 0
         self._heads = list(range(c.n_kv_heads))
+        # prefix reuse: a PrefixCache for this page size and dtype, when the model has one
+        self.prefix = None if prefix is None else prefix.cache(page_tokens, storage_dtype)
+        self._builder = None if self.prefix is None else BlockBuilder(self.prefix)
+
+    def map_prefix(self, ids: np.ndarray) -> int:
+        """At the start of a sequence: reuse the longest cached run of whole blocks of `ids`
+        (leaving at least one token to compute); returns how many tokens were mapped."""
+        if self.prefix is None or self.n_tokens or len(ids) < 2:
+            return 0
+        B = self.prefix.signature.block_tokens
+        usable = (len(ids) - 1) // B * B
+        blocks = self.prefix.lookup(self.prefix.root(), ids[:usable]) if usable else []
+        if not blocks:
+            return 0
+        dtype = self.atlas.config.dtype
+        for i, block in enumerate(blocks):
+            for layer in range(self.model.config.n_layers):
+                k = widen(block.k[layer], dtype).transpose(1, 0, 2)
+                v = widen(block.v[layer], dtype).transpose(1, 0, 2)
+                self.atlas.write_rows(layer, i * B, np.ascontiguousarray(k),
+                                      np.ascontiguousarray(v), self.policy)
+        self.backend = BlockSource(blocks, self.backend)
+        self._builder.chain = [b.hash for b in blocks]
+        n = len(blocks) * B
+        self.n_tokens = self.cached_tokens = n
+        self.token_ids = [int(t) for t in ids[:n]]
+        return n
+
+    def advance(self, ids: np.ndarray) -> None:
+        """After a chunk went through every layer: count it, and cache blocks now whole."""
+        self.n_tokens += len(ids)
+        self.token_ids.extend(int(t) for t in ids)
+        if self._builder is not None:
+            self._builder.complete(self.token_ids, self.n_tokens)
 
     def store_kv(self, layer: int, pos0: int, x: np.ndarray, k: np.ndarray, v: np.ndarray):
         """Rows k, v (T, n_kv, hd) f32 of tokens pos0.. : the regenerator's copy first (so a full
         disk fails before the hot cache changes), then the hot cache as the policy allows."""
-        if isinstance(self.backend, SpillKv):
+        backend = self.backend.rest if isinstance(self.backend, BlockSource) else self.backend
+        if isinstance(backend, SpillKv) or self._builder is not None:
             dtype = self.atlas.config.dtype
             k_st, v_st = round_rows(k, dtype), round_rows(v, dtype)
-            for h in self._heads:
-                self.backend.write(layer, h, pos0, k_st[:, h], v_st[:, h])
-        elif isinstance(self.backend, RecomputeKv):
-            self.backend.write(layer, pos0, x)
+            if self._builder is not None:
+                self._builder.add_rows(layer, pos0, k_st, v_st)
+            if isinstance(backend, SpillKv):
+                for h in self._heads:
+                    backend.write(layer, h, pos0, k_st[:, h], v_st[:, h])
+        elif isinstance(backend, RecomputeKv):
+            backend.write(layer, pos0, x)
         self.atlas.write_rows(layer, pos0, k, v, self.policy)
 
     def attend(self, layer: int, q: np.ndarray, context: int) -> np.ndarray:
@@ -115,6 +156,7 @@ class Session:
             "peak_resident_kv_bytes": t.peak_resident_bytes + self.reserved_bytes,
             "full_kv_bytes": self.n_tokens * c.kv_bytes_per_token(self.atlas.config.dtype.itemsize),
             "pages_regenerated": t.total.regenerations,
+            "prompt_cached_tokens": self.cached_tokens,
             "hot_hit_rate": t.total.hit_rate,
             "regen_seconds": t.total.regen_seconds,
             "fold_seconds": t.total.fold_seconds,

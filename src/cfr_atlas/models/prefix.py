@@ -1,0 +1,128 @@
+"""Prefix reuse for sessions: map cached whole blocks in, build new blocks as rows are computed.
+
+`PrefixTier` belongs to a `Model`: one `DiskKvStore` (optional) and one `PrefixCache` per
+(page size, storage dtype), whose signatures differ so their chains never meet. A session
+whose prompt starts with cached blocks gets those rows written into its hot cache as the policy
+allows, and `BlockSource` serves every page of the mapped prefix from the blocks (blocks and
+pages have the same size), so the budgeted runtime regenerates them from the cache: one
+mechanism. Rows of new whole blocks are collected while the model computes them and inserted
+once a block is complete, so a later prompt (or a restarted process) reuses them.
+
+Exactness: a block's rows are bitwise the rows a cold prefill computes (batch-invariant
+kernels), so logits after a mapped prefix equal a cold run's. Not here: what a block file looks
+like (kv/block_format.py) or which blocks stay in RAM (kv/prefix_cache.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from cfr_atlas.atlas import PageKey, widen
+from cfr_atlas.kv import CacheSignature, DiskKvStore, KvBlock, PrefixCache, block_hash
+
+DEFAULT_RAM_BYTES = 256 << 20
+DEFAULT_DISK_BYTES = 8 << 30
+
+
+def default_prefix_dir() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("cfr-atlas")) / "prefix"
+
+
+class PrefixTier:
+    """The model's prefix caches (RAM + one shared disk store)."""
+
+    def __init__(self, net, model_id: str, folder, *, ram_bytes: int = DEFAULT_RAM_BYTES,
+                 disk_bytes: int = DEFAULT_DISK_BYTES):
+        self.net, self.model_id, self.ram_bytes = net, model_id, ram_bytes
+        self.disk = None if folder is None else DiskKvStore(Path(folder).expanduser(),
+                                                            budget_bytes=disk_bytes)
+        self.caches: dict[tuple[int, str], PrefixCache] = {}
+
+    def cache(self, page_tokens: int, storage_dtype: str) -> PrefixCache:
+        key = (page_tokens, storage_dtype)
+        if key not in self.caches:
+            c = self.net.config
+            sig = CacheSignature(model_id=self.model_id, architecture=c.arch, n_layers=c.n_layers,
+                                 n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                                 storage_dtype=storage_dtype, block_tokens=page_tokens,
+                                 rope_theta=c.rope_theta, rope_mode=c.rope_mode)
+            self.caches[key] = PrefixCache(sig, ram_bytes=self.ram_bytes, disk=self.disk)
+        return self.caches[key]
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+
+class BlockSource:
+    """KvRegenerator: pages of the mapped prefix from their blocks, other pages from `rest`."""
+
+    def __init__(self, blocks: list[KvBlock], rest):
+        self.blocks, self.rest = blocks, rest
+        self.block_tokens = blocks[0].signature.block_tokens if blocks else 1
+        self.dtype = blocks[0].signature.dtype if blocks else None
+
+    def regenerate_page(self, key: PageKey, tokens: range, k_out, v_out) -> None:
+        b = key.start_token // self.block_tokens
+        if b < len(self.blocks) and len(tokens) == self.block_tokens:
+            block = self.blocks[b]
+            k_out[...] = widen(block.k[key.layer, key.kv_head], self.dtype)
+            v_out[...] = widen(block.v[key.layer, key.kv_head], self.dtype)
+        else:
+            self.rest.regenerate_page(key, tokens, k_out, v_out)
+
+    def prefetch(self, pages) -> None:
+        hint = getattr(self.rest, "prefetch", None)
+        if hint is not None:
+            limit = len(self.blocks) * self.block_tokens
+            hint([(key, toks) for key, toks in pages if key.start_token >= limit])
+
+    def close(self) -> None:
+        close = getattr(self.rest, "close", None)
+        if close:
+            close()
+
+
+class BlockBuilder:
+    """Collects a session's rounded rows into whole blocks and inserts them when complete."""
+
+    def __init__(self, cache: PrefixCache):
+        self.cache = cache
+        self.sig = cache.signature
+        self.chain: list[bytes] = []
+        self.pending: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def add_rows(self, layer: int, pos0: int, k_st: np.ndarray, v_st: np.ndarray) -> None:
+        """k_st, v_st: (T, n_kv, hd) in storage dtype for tokens pos0.. of one layer."""
+        B, pos, end = self.sig.block_tokens, pos0, pos0 + k_st.shape[0]
+        while pos < end:
+            b = pos // B
+            stop = min(end, (b + 1) * B)
+            if b >= len(self.chain):
+                if b not in self.pending:
+                    shape = self.sig.block_shape
+                    dt = self.sig.dtype.array_dtype
+                    self.pending[b] = (np.zeros(shape, dtype=dt), np.zeros(shape, dtype=dt))
+                bk, bv = self.pending[b]
+                rows = slice(pos - pos0, stop - pos0)
+                bk[layer, :, pos - b * B:stop - b * B] = k_st[rows].transpose(1, 0, 2)
+                bv[layer, :, pos - b * B:stop - b * B] = v_st[rows].transpose(1, 0, 2)
+            pos = stop
+
+    def complete(self, token_ids: list[int], n_tokens: int) -> int:
+        """Insert every block now whole (all layers computed); returns how many."""
+        B, done = self.sig.block_tokens, 0
+        while (len(self.chain) + 1) * B <= n_tokens:
+            b = len(self.chain)
+            ids = np.asarray(token_ids[b * B:(b + 1) * B], dtype=np.int64)
+            parent = self.chain[-1] if self.chain else self.cache.root()
+            h = block_hash(parent, ids)
+            self.chain.append(h)
+            k, v = self.pending.pop(b)
+            self.cache.insert(KvBlock(h, ids, self.sig, k, v))
+            done += 1
+        return done

@@ -1,0 +1,85 @@
+"""Prefix reuse end to end: repeated prompts map cached blocks and stay bitwise exact."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cfr_atlas.engine import load_model
+
+PAGE = 4
+IDS = [5, 77, 300, 12, 9, 256, 257, 1, 42, 99, 150, 3, 7, 8, 31, 200, 18, 64, 65, 66, 10, 11]
+
+
+@pytest.fixture()
+def cached(tiny_llama, tmp_path):
+    m = load_model(tiny_llama, prefix_cache=tmp_path / "prefix")
+    yield m
+    m.prefix.close()
+
+
+def test_repeated_prompt_reuses_blocks_bitwise(cached, tiny_llama):
+    cold = load_model(tiny_llama).next_logits(IDS, page_tokens=PAGE)
+    first = cached.next_logits(IDS, page_tokens=PAGE)
+    assert cached.last_telemetry["prompt_cached_tokens"] == 0
+    second = cached.next_logits(IDS, page_tokens=PAGE, chunk_tokens=3)
+    assert cached.last_telemetry["prompt_cached_tokens"] == (len(IDS) - 1) // PAGE * PAGE
+    assert np.array_equal(first, cold) and np.array_equal(second, cold)
+    # a longer prompt sharing the prefix reuses it too, and matches its own cold run
+    longer = IDS + [100, 101, 102, 103, 104]
+    assert np.array_equal(cached.next_logits(longer, page_tokens=PAGE),
+                          load_model(tiny_llama).next_logits(longer, page_tokens=PAGE))
+    assert cached.last_telemetry["prompt_cached_tokens"] == len(IDS) // PAGE * PAGE
+
+
+@pytest.mark.parametrize("regen", ["spill", "recompute"])
+def test_mapped_blocks_serve_a_budgeted_session(cached, tiny_llama, tmp_path, regen):
+    cold = load_model(tiny_llama).next_logits(IDS, page_tokens=PAGE)
+    cached.next_logits(IDS, page_tokens=PAGE)
+    got = cached.next_logits(IDS, page_tokens=PAGE, kv_budget="3KiB", regenerator=regen,
+                             cache_dir=tmp_path)
+    assert np.array_equal(got, cold)
+    assert cached.last_telemetry["prompt_cached_tokens"] > 0
+    assert cached.last_telemetry["pages_regenerated"] > 0
+
+
+def test_greedy_generation_with_prefix_cache_is_unchanged(cached, tiny_llama):
+    plain = load_model(tiny_llama).generate(IDS, max_tokens=10, page_tokens=PAGE)
+    assert cached.generate(IDS, max_tokens=10, page_tokens=PAGE) == plain
+    assert cached.generate(IDS, max_tokens=10, page_tokens=PAGE) == plain
+    assert cached.last_telemetry["prompt_cached_tokens"] > 0
+
+
+def test_other_model_dtype_or_block_size_never_hits(cached, tiny_gguf, tmp_path):
+    cached.next_logits(IDS, page_tokens=PAGE)
+    cached.next_logits(IDS, page_tokens=PAGE * 2)
+    assert cached.last_telemetry["prompt_cached_tokens"] == 0
+    cached.next_logits(IDS, page_tokens=PAGE, storage_dtype="float16")
+    assert cached.last_telemetry["prompt_cached_tokens"] == 0
+    other = load_model(tiny_gguf(arch="llama", qtype="Q8_0", n_layers=2, seed=1),
+                       prefix_cache=tmp_path / "prefix")
+    other.next_logits(IDS, page_tokens=PAGE)
+    assert other.last_telemetry["prompt_cached_tokens"] == 0
+    other.prefix.close()
+
+
+def test_disk_tier_serves_blocks_after_restart(tiny_llama, tmp_path):
+    folder = tmp_path / "prefix"
+    m = load_model(tiny_llama, prefix_cache=folder)
+    want = m.next_logits(IDS, page_tokens=PAGE)
+    m.prefix.close()  # flushes the background writer
+    code = (
+        "import sys, numpy as np\n"
+        "from cfr_atlas.engine import load_model\n"
+        f"m = load_model({str(tiny_llama)!r}, prefix_cache={str(folder)!r})\n"
+        f"got = m.next_logits({IDS!r}, page_tokens={PAGE})\n"
+        "np.save(sys.argv[1], got)\n"
+        "print(m.last_telemetry['prompt_cached_tokens'], m.prefix.disk.stats().hits)\n"
+    )
+    out = tmp_path / "got.npy"
+    res = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True,
+                         check=True)
+    cached_tokens, disk_hits = map(int, res.stdout.split())
+    assert cached_tokens == (len(IDS) - 1) // PAGE * PAGE and disk_hits >= cached_tokens // PAGE
+    assert np.array_equal(np.load(out), want)
