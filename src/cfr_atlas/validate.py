@@ -45,10 +45,13 @@ class ValidationReport:
         rows = [
             ("prompt tokens (real text)", f"{self.tokens:,}"),
             ("logits bitwise equal", f"{self.positions_equal:,} / {self.tokens:,} positions"
-             + ("" if self.first_mismatch is None else f" (first mismatch at {self.first_mismatch})")),
-            ("greedy continuation equal", f"{self.continuation_equal} ({self.continuation} tokens)"),
+             + ("" if self.first_mismatch is None
+                else f" (first mismatch at {self.first_mismatch})")),
+            ("greedy continuation equal",
+             f"{self.continuation_equal} ({self.continuation} tokens)"),
             ("K/V budget", f"{self.budget_bytes / mib:.2f} MiB"),
-            ("peak resident K/V (incl. scratch)", f"{t.get('peak_resident_kv_bytes', 0) / mib:.2f} MiB"),
+            ("peak resident K/V (incl. scratch)",
+             f"{t.get('peak_resident_kv_bytes', 0) / mib:.2f} MiB"),
             ("full K/V", f"{t.get('full_kv_bytes', 0) / mib:.2f} MiB"),
             ("pages regenerated", f"{t.get('pages_regenerated', 0):,}"),
             ("hot hit rate", f"{t.get('hot_hit_rate', 0.0):.1%}"),

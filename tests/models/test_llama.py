@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from reference import reference_logits
 
-from cfr_atlas.atlas import KeepAll, KeepRecent, KeepSinksAndRecent, LRU, NeverAdmit
+from cfr_atlas.atlas import LRU, KeepAll, KeepRecent, KeepSinksAndRecent, NeverAdmit
 from cfr_atlas.engine import load_model
 
 IDS = [5, 77, 300, 12, 9, 256, 257, 1, 42, 99, 150, 3, 7, 8, 431, 200, 18, 64, 65, 66, 10]

@@ -29,9 +29,10 @@ def _x(t: int, k: int, seed: int) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def _check(w: QuantWeight, x: np.ndarray, cuts: list[int]) -> None:
+def _check(w: QuantWeight, x: np.ndarray, cuts: list[int], rows=None) -> None:
+    """matmul(x) against matvec on `rows` (default all) and against matmul over the chunks."""
     y = w.matmul(x)
-    for t in range(x.shape[0]):
+    for t in range(x.shape[0]) if rows is None else rows:
         assert_bits_equal(y[t], w.matvec(x[t]))
     bounds = [0, *cuts, x.shape[0]]
     chunks = [w.matmul(x[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
@@ -43,7 +44,8 @@ def _check(w: QuantWeight, x: np.ndarray, cuts: list[int]) -> None:
 def test_rows_equal_matvec_and_chunks(weights, qtype, t):
     w = weights[qtype]
     cuts = sorted({c for c in (1, 3, 4, 11, 64, 100) if c < t})
-    _check(w, _x(t, w.shape[1], seed=t), cuts)
+    rows = range(t) if t <= 64 else [*range(0, t, 5), t - 2, t - 1]  # chunks cover the rest
+    _check(w, _x(t, w.shape[1], seed=t), cuts, rows)
 
 
 @pytest.mark.parametrize("qtype", list(BLOCK_FORMATS))
@@ -74,12 +76,13 @@ def _cases(draw):
         st.integers(1, 100))
     t = draw(st.integers(1, 40))
     cuts = sorted(set(draw(st.lists(st.integers(1, t - 1), max_size=5)))) if t > 1 else []
-    return qtype, n, k, t, cuts, draw(st.integers(0, 2**31))
+    rows = draw(st.lists(st.integers(0, t - 1), min_size=1, max_size=4))
+    return qtype, n, k, t, cuts, rows, draw(st.integers(0, 2**31))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(_cases())
 def test_invariance_property(case):
-    qtype, n, k, t, cuts, seed = case
+    qtype, n, k, t, cuts, rows, seed = case
     w = QuantWeight.from_raw("w", qtype, quantized(qtype, n, k, seed=seed), (n, k))
-    _check(w, _x(t, k, seed=seed), cuts)
+    _check(w, _x(t, k, seed=seed), cuts, rows)

@@ -14,8 +14,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from cfr_atlas.errors import ConfigError
 from cfr_atlas.atlas.storage import StorageDtype
+from cfr_atlas.errors import ConfigError
 
 SCHEMA_VERSION = 1
 MAX_BYTES = 1 << 40  # a hard ceiling on any single size: no laptop holds a 1 TiB K/V page
@@ -116,7 +116,8 @@ class AtlasConfig:
     @property
     def scratch_bytes(self) -> int:
         """Scratch slots plus, for 16-bit storage, the float32 staging rows regenerators fill."""
-        staging = 0 if self.dtype is StorageDtype.FLOAT32 else 2 * self.page_tokens * self.head_dim * 4
+        f32 = self.dtype is StorageDtype.FLOAT32
+        staging = 0 if f32 else 2 * self.page_tokens * self.head_dim * 4
         return self.scratch_pages * self.page_bytes + staging
 
     def query_scale(self) -> float:
@@ -170,5 +171,6 @@ def _reject_duplicates(pairs):
 
 def _layer_key(text: str) -> int:
     if not text.isdigit():
-        raise ConfigError("layer_budgets", f"layer keys must be non-negative integers, got {text!r}")
+        raise ConfigError("layer_budgets",
+                          f"layer keys must be non-negative integers, got {text!r}")
     return int(text)

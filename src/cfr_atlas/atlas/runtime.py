@@ -128,8 +128,9 @@ class Atlas:
         self._scratch_v = np.zeros(shape, dtype=dt.array_dtype)
         # Regenerators write float32; 16-bit storage is rounded from these staging rows.
         stage = (config.page_tokens, config.head_dim)
-        self._stage_k = np.zeros(stage, dtype=np.float32) if dt is not StorageDtype.FLOAT32 else None
-        self._stage_v = np.zeros(stage, dtype=np.float32) if dt is not StorageDtype.FLOAT32 else None
+        f32 = dt is StorageDtype.FLOAT32
+        self._stage_k = None if f32 else np.zeros(stage, dtype=np.float32)
+        self._stage_v = None if f32 else np.zeros(stage, dtype=np.float32)
         self._tick = 0
         self._total = Counters()
         self._last = Counters()
@@ -261,7 +262,8 @@ class Atlas:
                 if keep <= 0:
                     self.cache.evict(PageKey(layer_id, int(h), start))
                 elif keep < lay.tokens[h, p]:
-                    self.cache._account(lay, -(int(lay.tokens[h, p]) - keep) * self.config.row_bytes)
+                    dropped = int(lay.tokens[h, p]) - keep
+                    self.cache._account(lay, -dropped * self.config.row_bytes)
                     lay.tokens[h, p] = keep
 
     def reset(self) -> None:
@@ -270,7 +272,8 @@ class Atlas:
 
     def telemetry(self) -> Telemetry:
         cfg = self.config
-        return Telemetry(total=Counters(**vars(self._total)), last_call=Counters(**vars(self._last)),
+        return Telemetry(total=Counters(**vars(self._total)),
+                         last_call=Counters(**vars(self._last)),
                          resident_bytes=self.cache.resident_bytes, peak_resident_bytes=self._peak,
                          resident_pages=self.cache.resident_pages(),
                          scratch_bytes=cfg.scratch_bytes,

@@ -54,7 +54,8 @@ class Telemetry:
             a, b = getattr(self.last_call, f.name), getattr(self.total, f.name)
             fmt = "{:.4f}" if isinstance(a, float) else "{:,}"
             rows.append((f.name, fmt.format(a), fmt.format(b)))
-        rows.append(("hot hit rate", f"{self.last_call.hit_rate:.1%}", f"{self.total.hit_rate:.1%}"))
+        rows.append(("hot hit rate", f"{self.last_call.hit_rate:.1%}",
+                     f"{self.total.hit_rate:.1%}"))
         for name in ("resident_bytes", "peak_resident_bytes", "resident_pages", "scratch_bytes",
                      "budget_bytes"):
             rows.append((name, "", f"{getattr(self, name):,}"))

@@ -32,7 +32,8 @@ def kv_head_weights(gf, cfg, layer: int) -> list[tuple[QuantWeight, np.ndarray |
     rv = np.asarray(tv.data).reshape(int(tv.shape[1]), -1)
     bias = None
     if cfg.qkv_bias:
-        bias = (gf.tensor_f32(f"blk.{layer}.attn_k.bias"), gf.tensor_f32(f"blk.{layer}.attn_v.bias"))
+        bias = (gf.tensor_f32(f"blk.{layer}.attn_k.bias"),
+                gf.tensor_f32(f"blk.{layer}.attn_v.bias"))
     for h in range(cfg.n_kv_heads):
         rows = slice(h * hd, (h + 1) * hd)
         if tk.tensor_type == tv.tensor_type:

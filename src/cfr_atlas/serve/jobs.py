@@ -151,6 +151,8 @@ class GenerationJob(Job):
         if self._session is None:
             self._started = time.perf_counter()
             self._session = self.model.session(**self.spec.session_kw)
+            if self._prefeed:  # cached whole blocks of the prompt are mapped, not recomputed
+                self._fed = self._session.map_prefix(self._ids[:self._prefeed + 1])
         if self._fed < self._prefeed:
             chunk = self._ids[self._fed:self._fed + DEFAULT_CHUNK]
             prefill(self.model.net, self._session, chunk)

@@ -3,8 +3,9 @@
 Responses carry Ollama's fields; durations are nanoseconds, measured: `total_duration` is the
 wall time from the request to the last byte's worth of work (queue wait included),
 `prompt_eval_duration` and `eval_duration` the worker's time on this sequence's prefill and
-decode steps, `load_duration` 0 (the model stays loaded). `prompt_eval_cached_count` is 0 until
-the prefix cache lands. The final object also carries our K/V telemetry under `cfr_atlas`.
+decode steps, `load_duration` 0 (the model stays loaded). `prompt_eval_cached_count` counts
+prompt tokens mapped from the prefix cache instead of recomputed. The final object also carries
+our K/V telemetry under `cfr_atlas`.
 Request validation lives in `params`, error shapes and streaming in `http`.
 """
 
@@ -55,7 +56,8 @@ def _ns(seconds: float) -> int:
 def done_fields(handle: Handle, outcome) -> dict:
     return {"done": True, "done_reason": outcome.done_reason,
             "total_duration": handle.elapsed_ns(), "load_duration": 0,
-            "prompt_eval_count": outcome.prompt_tokens, "prompt_eval_cached_count": 0,
+            "prompt_eval_count": outcome.prompt_tokens,
+            "prompt_eval_cached_count": outcome.telemetry.get("prompt_cached_tokens", 0),
             "prompt_eval_duration": _ns(outcome.prompt_seconds),
             "eval_count": outcome.eval_count, "eval_duration": _ns(outcome.eval_seconds),
             "cfr_atlas": {**outcome.telemetry, "queue_seconds": outcome.queue_seconds}}

@@ -2,7 +2,7 @@
 
 Streaming is server-sent events ending with `data: [DONE]`; `usage` counts prompt and
 completion tokens (the end-of-generation token included) with `prompt_tokens_details.
-cached_tokens` 0 until the prefix cache lands; `stream_options.include_usage` adds the usage
+cached_tokens` from the prefix cache; `stream_options.include_usage` adds the usage
 chunk. Non-streaming responses also carry our K/V telemetry under `cfr_atlas`. Sampling
 defaults are the engine's (greedy), not OpenAI's temperature 1. Validation lives in `params`.
 """
@@ -54,7 +54,8 @@ async def _request(request: Request) -> tuple[Service, dict, str]:
 def _usage(outcome) -> dict:
     return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.eval_count,
             "total_tokens": outcome.prompt_tokens + outcome.eval_count,
-            "prompt_tokens_details": {"cached_tokens": 0}}
+            "prompt_tokens_details": {
+                "cached_tokens": outcome.telemetry.get("prompt_cached_tokens", 0)}}
 
 
 def _choice(chat: bool, text: str | None, finish: str | None, *, delta: bool) -> dict:
