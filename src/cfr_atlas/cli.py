@@ -37,6 +37,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                    help="K/V storage dtype (default float32)")
     p.add_argument("--cache-dir", default=None, help="folder for page files (default: user cache)")
+    p.add_argument("--prefix-cache", default=None, metavar="DIR",
+                   help="persistent prefix cache folder: prompts starting with cached blocks "
+                   "skip recomputing them (bitwise the same output)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
 
@@ -142,6 +145,7 @@ def telemetry_lines(t: dict) -> list[str]:
         f"pages regen'd    {t['pages_regenerated']:,}",
         f"hot hit rate     {t['hot_hit_rate']:.1%}",
         f"regen seconds    {t['regen_seconds']:.3f}",
+        f"prompt cached    {t.get('prompt_cached_tokens', 0):,} tokens (prefix cache)",
         f"tokens/s         {tps:.1f} ({t.get('generated_tokens', 0)} tokens, "
         f"prompt {t.get('prompt_tokens', 0)})",
     ]
@@ -150,7 +154,7 @@ def telemetry_lines(t: dict) -> list[str]:
 def _generate(a) -> None:
     from cfr_atlas.engine import load_model
 
-    model = load_model(a.model)
+    model = load_model(a.model, prefix_cache=a.prefix_cache)
     prompt = a.prompt if a.raw else model.chat_prompt([{"role": "user", "content": a.prompt}])
     for piece in model.stream(prompt, **_gen_options(a), **_kv_options(a)):
         print(piece, end="", flush=True)
@@ -162,7 +166,7 @@ def _generate(a) -> None:
 def _chat(a) -> None:
     from cfr_atlas.engine import load_model
 
-    model = load_model(a.model)
+    model = load_model(a.model, prefix_cache=a.prefix_cache)
     messages = []
     print("cfr-atlas chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
