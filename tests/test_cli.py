@@ -24,7 +24,7 @@ from cfr_atlas.validate import validation_text
 
 PROMPT = "The capital of France is"
 TELEMETRY = ("kv budget", "peak resident kv", "full kv", "pages regen'd", "hot hit rate",
-             "regen seconds", "tokens/s")
+             "regen seconds", "prompt cached", "tokens/s")  # at least these, in this order
 
 
 def rewrite_gguf(src: Path, dst: Path, *, arch: str | None = None,
@@ -159,7 +159,7 @@ def test_unparseable_option_is_argparse_usage_error(capsys, tiny_llama):
 
 SAMPLING = ["--model", "--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
             "--repeat-penalty", "--seed", "--kv-budget", "--regenerator", "--kv-dtype",
-            "--cache-dir", "--raw"]
+            "--cache-dir", "--prefix-cache", "--raw"]
 HELP = {
     "generate": ["prompt", *SAMPLING],
     "chat": SAMPLING,
@@ -204,10 +204,12 @@ def test_inspect_prints_metadata_tensors_and_kv_bytes_per_token(capsys, tiny_lla
 
 
 def telemetry(err: str) -> dict[str, str]:
-    """The `# name value` lines on stderr, which must be exactly the telemetry lines."""
+    """label -> value of the `# label value` lines that must make up all of stderr."""
     lines = err.splitlines()
-    assert [line[2:18].strip() for line in lines] == list(TELEMETRY), err
-    return {line[2:18].strip(): line[19:] for line in lines}
+    assert lines and all(line.startswith("# ") for line in lines), err
+    t = {line[2:18].strip(): line[19:] for line in lines}
+    assert [label for label in t if label in TELEMETRY] == list(TELEMETRY), err
+    return t
 
 
 def size_bytes(text: str) -> float:

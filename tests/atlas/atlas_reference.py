@@ -135,7 +135,7 @@ def cache_state(atlas: Atlas) -> dict:
     for layer_id, lay in cache.layers.items():
         for h, p in zip(*np.nonzero(lay.slot >= 0), strict=True):
             slot, n = int(lay.slot[h, p]), int(lay.tokens[h, p])
-            pages[(layer_id, int(h), int(p))] = (slot, n, lay.k[slot, :n].tobytes(),
+            pages[(layer_id, int(h), int(p))] = (slot, n, lay.k[slot, :, :n].tobytes(),
                                                  lay.v[slot, :n].tobytes())
     per_layer = {layer_id: lay.bytes for layer_id, lay in cache.layers.items()}
     return {"pages": pages, "resident_bytes": cache.resident_bytes,

@@ -30,6 +30,8 @@ def _problem(rng, dtype: StorageDtype, *, T=3, H=2, G=2, D=12, P=5, context=33, 
                     for _ in range(2))
     k_scr, v_scr = (round_rows(rng.uniform(-2, 2, (C, P, D)).astype(np.float32), dtype)
                     for _ in range(2))
+    # K pages are stored transposed, (slots, D, P)
+    k_hot, k_scr = (np.ascontiguousarray(a.transpose(0, 2, 1)) for a in (k_hot, k_scr))
     n_pages = -(-context // P)
     cols = {name: [] for name in ("src", "slot", "start", "len", "head", "part")}
     for h in range(H):
@@ -59,7 +61,9 @@ def _problem(rng, dtype: StorageDtype, *, T=3, H=2, G=2, D=12, P=5, context=33, 
     magnitude = (np.abs(q).sum(axis=-1).max() * widest / math.sqrt(D) + softcap
                  + slopes.max() * context)
     gamma = (D + 10) * U32 / (1 - (D + 10) * U32)
-    tol = 2 * (2 * math.expm1(gamma * magnitude) * math.exp(gamma * magnitude) + U32) * vmax
+    # + the page's float32 sum of at most P weighted V rows (weights <= 1, rounded once)
+    tol = 2 * (2 * math.expm1(gamma * magnitude) * math.exp(gamma * magnitude)
+               + (P + 2) * U32) * vmax
     return args, (T, H, n_part, G, D), sink.astype(np.float32), tol
 
 

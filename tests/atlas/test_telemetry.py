@@ -57,7 +57,7 @@ def test_totals_accumulate_and_evictions_are_counted():
     assert tel.resident_pages == 2 and tel.resident_bytes == 2 * P * ROW_BYTES
     assert tel.peak_resident_bytes >= tel.resident_bytes
     assert tel.budget_bytes == 2 * P * ROW_BYTES
-    assert tel.scratch_bytes == 2 * P * D * 4  # one page of K and V
+    assert tel.scratch_bytes == 2 * (2 * P * D * 4)  # a scratch page of K and V + staging rows
 
 
 def test_write_rows_is_counted_as_a_call_and_fills_the_cache():

@@ -38,7 +38,7 @@ def _stored_rows(session, key: PageKey, n: int):
     slot, have = session.atlas.cache.page_state(key)
     assert slot >= 0 and have == n, "the unbounded path must hold every page"
     dt = session.atlas.config.dtype
-    return widen(lay.k[slot, :n], dt), widen(lay.v[slot, :n], dt)
+    return widen(np.ascontiguousarray(lay.k[slot, :, :n].T), dt), widen(lay.v[slot, :n], dt)
 
 
 @pytest.mark.parametrize("regen", ["spill", "recompute"])

@@ -115,9 +115,8 @@ class AtlasConfig:
 
     @property
     def scratch_bytes(self) -> int:
-        """Scratch slots plus, for 16-bit storage, the float32 staging rows regenerators fill."""
-        f32 = self.dtype is StorageDtype.FLOAT32
-        staging = 0 if f32 else 2 * self.page_tokens * self.head_dim * 4
+        """Scratch slots plus the float32 staging rows regenerators fill (one page of K and V)."""
+        staging = 2 * self.page_tokens * self.head_dim * 4
         return self.scratch_pages * self.page_bytes + staging
 
     def query_scale(self) -> float:

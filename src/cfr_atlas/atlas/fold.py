@@ -15,8 +15,10 @@ states left to right with the same identity, then adds the sink logit and divide
 Why the result never depends on the policy, the budget or the chunking: for a query at position
 p the arithmetic is a pure function of (q, p, the rows of each causal page). Which array a page's
 rows come from (hot slab or regeneration scratch), how pages were batched into calls, and how many
-queries share a call change nothing. Scores are float32 (dot products with eight partial sums
-combined in a fixed order); l and acc accumulate in float64 (see docs/MATH.md).
+queries share a call change nothing. Scores are float32 (dot products
+summed over dims in order, K pages stored transposed so keys fill the vector lanes); each
+weight is rounded to float32 once and used for both l and the page's float32 sum of V rows;
+l and acc accumulate across pages in float64 (see docs/MATH.md).
 
 Each numba kernel has a NumPy twin (`fold_runs_numpy`, `merge_partitions_numpy`) with the same
 signature, used by the tests. This module holds no cache or policy logic.
@@ -55,48 +57,84 @@ def _as_f32_rows_ov(rows, j0, j1, code, buf):
     return impl
 
 
-@njit(cache=True, inline="always")
-def _dot(a, b, n):
-    """float32 dot product with eight partial sums combined in a fixed order."""
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
-    n8 = n - n % 8
-    for e in range(0, n8, 8):
-        s0 += a[e] * b[e]
-        s1 += a[e + 1] * b[e + 1]
-        s2 += a[e + 2] * b[e + 2]
-        s3 += a[e + 3] * b[e + 3]
-        s4 += a[e + 4] * b[e + 4]
-        s5 += a[e + 5] * b[e + 5]
-        s6 += a[e + 6] * b[e + 6]
-        s7 += a[e + 7] * b[e + 7]
-    r = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
-    for e in range(n8, n):
-        r += a[e] * b[e]
-    return r
+def _as_f32_cols(cols, j0, j1, code, buf):
+    """cols: (D, n) stored K^T -> a float32 (D, n) view of columns j0..j1 (a copy for 16-bit)."""
+    if code == 0:
+        return cols
+    widen_into(cols[:, j0:j1], code, buf[:, j0:j1])
+    return buf
+
+
+@overload(_as_f32_cols, jit_options={"cache": True})
+def _as_f32_cols_ov(cols, j0, j1, code, buf):
+    if cols.dtype == types.float32:
+        return lambda cols, j0, j1, code, buf: cols
+
+    def impl(cols, j0, j1, code, buf):
+        widen_into(cols[:, j0:j1], code, buf[:, j0:j1])
+        return buf
+
+    return impl
+
+
+# exp for the per-key weights: Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, a degree-11
+# Taylor polynomial (relative error < 1e-14), then a scale by 2**n built from exponent bits.
+# Plain arithmetic, so LLVM vectorizes it and its bits are the same on every call path; inputs
+# below -708 (weights under 1e-307 next to a weight of 1) are flushed to 0.
+_LOG2E = 1.4426950408889634
+_LN2_HI, _LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10
+_EXP_FLOOR = -708.0
 
 
 @njit(cache=True, inline="always")
-def _score(qrow, krow, d, scale, softcap, slope, distance):
-    x = _dot(qrow, krow, d) * scale
-    if softcap > 0.0:
-        x = softcap * np.float32(math.tanh(x / softcap))
-    if slope != 0.0:
-        x = x + slope * np.float32(distance)
-    return x
+def _exp_into(x, n_items, out, bits):
+    """out[j] = exp(x[j]) for j < n_items, x <= 0 (float64); bits: int64 scratch."""
+    scale = bits.view(np.float64)
+    for j in range(n_items):
+        xj = max(x[j], _EXP_FLOOR)
+        k = math.floor(xj * _LOG2E + 0.5)
+        r = (xj - k * _LN2_HI) - k * _LN2_LO
+        p = 1.0 / 39916800.0
+        p = p * r + 1.0 / 3628800.0
+        p = p * r + 1.0 / 362880.0
+        p = p * r + 1.0 / 40320.0
+        p = p * r + 1.0 / 5040.0
+        p = p * r + 1.0 / 720.0
+        p = p * r + 1.0 / 120.0
+        p = p * r + 1.0 / 24.0
+        p = p * r + 1.0 / 6.0
+        p = p * r + 0.5
+        p = p * r + 1.0
+        p = p * r + 1.0
+        out[j] = p if x[j] > _EXP_FLOOR else 0.0
+        bits[j] = (np.int64(k) + 1023) << 52
+    for j in range(n_items):
+        out[j] *= scale[j]
 
 
 @njit(cache=True, inline="always")
 def _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_start, pg_len,
                run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc):
-    """Work item w = (run r, query t): fold run r's pages, in order, into state (t, h, part)."""
+    """Work item w = (run r, query t): fold run r's pages, in order, into state (t, h, part).
+
+    K pages are stored transposed, (D, P), so a score is a plain dot product summed over
+    dims 0..D-1 in order, vectorized across keys. Weights are rounded once to float32; the same
+    float32 weight enters l (summed in float64) and the page's float32 weighted sum of V rows
+    (keys in order), which is then added into the float64 acc.
+    """
     n_tok, _, n_grp, d = q.shape
-    page_tokens = k_hot.shape[1]
+    page_tokens = v_hot.shape[1]
     r = w // n_tok
     t = w - r * n_tok
     h, part, pos = run_head[r], run_part[r], qpos[t]
     lo = pos - window + 1 if window > 0 else 0
     s = np.empty((n_grp, page_tokens), dtype=np.float32)
-    kbuf = np.empty((page_tokens, d), dtype=np.float32)
+    x = np.empty(page_tokens, dtype=np.float64)
+    p64 = np.empty(page_tokens, dtype=np.float64)
+    p = np.empty((n_grp, page_tokens), dtype=np.float32)
+    bits = np.empty(page_tokens, dtype=np.int64)
+    ag = np.empty((n_grp, d), dtype=np.float32)
+    kbuf = np.empty((d, page_tokens), dtype=np.float32)
     vbuf = np.empty((page_tokens, d), dtype=np.float32)
     for i in range(run_begin[r], run_begin[r + 1]):
         start = pg_start[i]
@@ -106,34 +144,58 @@ def _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg
         j1 = min(pg_len[i], pos - start + 1)
         if j0 >= j1:
             continue
+        n = j1 - j0
         if pg_src[i] == SRC_HOT:
             kr, vr = k_hot[pg_slot[i]], v_hot[pg_slot[i]]
         else:
             kr, vr = k_scr[pg_slot[i]], v_scr[pg_slot[i]]
-        kf = _as_f32_rows(kr, j0, j1, code, kbuf)
+        kf = _as_f32_cols(kr, j0, j1, code, kbuf)
         vf = _as_f32_rows(vr, j0, j1, code, vbuf)
-        for j in range(j0, j1):
-            for g in range(n_grp):
-                s[g, j] = _score(q[t, h, g], kf[j], d, scale, softcap, alibi[h, g],
-                                 start + j - pos)
         for g in range(n_grp):
-            mx = s[g, j0]
-            for j in range(j0 + 1, j1):
-                mx = max(mx, s[g, j])
+            sg = s[g]
+            for j in range(n):
+                sg[j] = 0.0
+            for e in range(d):  # score_j = sum_e q_e K_je, e in order, lanes across keys
+                qe = q[t, h, g, e]
+                ke = kf[e]
+                for j in range(n):
+                    sg[j] += qe * ke[j0 + j]
+            slope = alibi[h, g]
+            for j in range(n):
+                xj = sg[j] * scale
+                if softcap > 0.0:
+                    xj = softcap * np.float32(math.tanh(xj / softcap))
+                if slope != 0.0:
+                    xj = xj + slope * np.float32(start + j0 + j - pos)
+                sg[j] = xj
+            mx = sg[0]
+            for j in range(1, n):
+                mx = max(mx, sg[j])
             m_old = m[t, h, part, g]
             m_new = max(m_old, np.float64(mx))
             corr = 0.0 if m_old == -np.inf else math.exp(m_old - m_new)
-            a = acc[t, h, part, g]
-            for e in range(d):
-                a[e] *= corr
+            for j in range(n):
+                x[j] = np.float64(sg[j]) - m_new
+            _exp_into(x, n, p64, bits)
             lsum = l[t, h, part, g] * corr
-            for j in range(j0, j1):
-                p = math.exp(np.float64(s[g, j]) - m_new)
-                lsum += p
-                for e in range(d):
-                    a[e] += p * vf[j, e]
+            for j in range(n):
+                pj = np.float32(p64[j])
+                p[g, j] = pj
+                lsum += np.float64(pj)
             l[t, h, part, g] = lsum
             m[t, h, part, g] = m_new
+            for e in range(d):
+                acc[t, h, part, g, e] *= corr
+                ag[g, e] = 0.0
+        for j in range(n):  # the page's sum of p V, keys in order; each V row read once
+            vrow = vf[j0 + j]
+            for g in range(n_grp):
+                pj = p[g, j]
+                for e in range(d):
+                    ag[g, e] += pj * vrow[e]
+        for g in range(n_grp):
+            for e in range(d):
+                acc[t, h, part, g, e] += np.float64(ag[g, e])
 
 
 @njit(cache=True, nogil=True)
@@ -162,8 +224,8 @@ def fold_runs(q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_sta
               run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc):
     """Absorb a batch of pages into the partition states.
 
-    q: (T, H, G, D) f32 queries; qpos: (T,) absolute positions; k_hot/v_hot: (S, P, D) stored
-    slab; k_scr/v_scr: (C, P, D) stored scratch; page i comes from slab or scratch (pg_src) at
+    q: (T, H, G, D) f32 queries; qpos: (T,) absolute positions; k_hot: (S, D, P) stored K^T
+    slab, v_hot: (S, P, D) V slab; k_scr/v_scr: the same layouts for scratch; page i comes from slab or scratch (pg_src) at
     pg_slot[i] and covers tokens [pg_start[i], pg_start[i] + pg_len[i]). Runs are consecutive
     pages of one (head index, partition); run r = pages run_begin[r]:run_begin[r+1].
     alibi: (H, G) f32 slopes (0 = none); softcap 0 = none; window 0 = none.
@@ -244,7 +306,7 @@ def fold_runs_numpy(q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, 
         h, part = run_head[r], run_part[r]
         for i in range(run_begin[r], run_begin[r + 1]):
             src_k, src_v = (k_hot, v_hot) if pg_src[i] == SRC_HOT else (k_scr, v_scr)
-            kf = widen(src_k[pg_slot[i], :pg_len[i]], dtype)
+            kf = widen(np.ascontiguousarray(src_k[pg_slot[i], :, :pg_len[i]].T), dtype)
             vf = widen(src_v[pg_slot[i], :pg_len[i]], dtype)
             keypos = pg_start[i] + np.arange(pg_len[i])
             for t, pos in enumerate(qpos):

@@ -1,7 +1,8 @@
 """The hot cache: resident K/V pages under a byte budget, with exact accounting and undo.
 
-Storage is one growable slab per layer, `k[layer]`, `v[layer]`: (slots, page_tokens, head_dim)
-in the storage dtype; a page occupies one slot. Per layer, three tables indexed
+Storage is one growable slab per layer: `k` (slots, head_dim, page_tokens) holds K pages
+transposed (the fold's score loop runs across keys), `v` (slots, page_tokens, head_dim) holds
+V rows, both in the storage dtype; a page occupies one slot. `admit` and `grow` take rows. Per layer, three tables indexed
 [kv_head, page_index] say where a page lives (`slot`, -1 when not resident), how many tokens it
 holds (`tokens`) and when it was last used (`last_use`, a call counter). The fold reads the
 tables with NumPy, so an all-hot call costs no per-page Python.
@@ -32,7 +33,7 @@ class _Layer:
     def __init__(self, config: AtlasConfig):
         self.config = config
         dt = config.dtype.array_dtype
-        self.k = np.zeros((0, config.page_tokens, config.head_dim), dtype=dt)
+        self.k = np.zeros((0, config.head_dim, config.page_tokens), dtype=dt)  # K^T pages
         self.v = np.zeros((0, config.page_tokens, config.head_dim), dtype=dt)
         self.free: list[int] = []
         self.slot = np.full((0, 0), -1, dtype=np.int64)
@@ -55,8 +56,8 @@ class _Layer:
         if not self.free:
             cap = self.k.shape[0]
             new_cap = max(cap + 1, min(2 * cap, max_slots), 1)
-            shape = (new_cap,) + self.k.shape[1:]
-            k, v = np.zeros(shape, dtype=self.k.dtype), np.zeros(shape, dtype=self.v.dtype)
+            k = np.zeros((new_cap,) + self.k.shape[1:], dtype=self.k.dtype)
+            v = np.zeros((new_cap,) + self.v.shape[1:], dtype=self.v.dtype)
             k[:cap], v[:cap] = self.k, self.v
             self.k, self.v = k, v
             self.free.extend(range(new_cap - 1, cap - 1, -1))
@@ -205,7 +206,7 @@ class HotCache:
         lay.ensure_table(key.kv_head + 1, page + 1)
         slot = lay.take_slot(self.max_slots(key.layer) + len(self._pending))
         n = k_rows.shape[0]
-        lay.k[slot, :n] = k_rows
+        lay.k[slot, :, :n] = k_rows.T
         lay.v[slot, :n] = v_rows
         lay.slot[key.kv_head, page] = slot
         lay.tokens[key.kv_head, page] = n
@@ -219,7 +220,7 @@ class HotCache:
         page = key.start_token // self.config.page_tokens
         slot, n0 = int(lay.slot[key.kv_head, page]), int(lay.tokens[key.kv_head, page])
         n = k_rows.shape[0]
-        lay.k[slot, n0:n0 + n] = k_rows
+        lay.k[slot, :, n0:n0 + n] = k_rows.T
         lay.v[slot, n0:n0 + n] = v_rows
         lay.tokens[key.kv_head, page] = n0 + n
         lay.last_use[key.kv_head, page] = tick

@@ -122,15 +122,13 @@ class Atlas:
             raise TypeError(f"expected AtlasConfig, got {type(config).__name__}")
         self.config = config
         self.cache = HotCache(config)
-        dt = config.dtype
-        shape = (config.scratch_pages, config.page_tokens, config.head_dim)
-        self._scratch_k = np.zeros(shape, dtype=dt.array_dtype)
-        self._scratch_v = np.zeros(shape, dtype=dt.array_dtype)
-        # Regenerators write float32; 16-bit storage is rounded from these staging rows.
-        stage = (config.page_tokens, config.head_dim)
-        f32 = dt is StorageDtype.FLOAT32
-        self._stage_k = None if f32 else np.zeros(stage, dtype=np.float32)
-        self._stage_v = None if f32 else np.zeros(stage, dtype=np.float32)
+        dt = config.dtype.array_dtype
+        P, D, C = config.page_tokens, config.head_dim, config.scratch_pages
+        self._scratch_k = np.zeros((C, D, P), dtype=dt)  # K^T, like the slab
+        self._scratch_v = np.zeros((C, P, D), dtype=dt)
+        # Regenerators write float32 rows here; they are rounded (and K transposed) into scratch.
+        self._stage_k = np.zeros((P, D), dtype=np.float32)
+        self._stage_v = np.zeros((P, D), dtype=np.float32)
         self._tick = 0
         self._total = Counters()
         self._last = Counters()
@@ -387,9 +385,7 @@ class Atlas:
 
     def _regenerate(self, backend, key: PageKey, n: int, slot: int, policy, context: int) -> None:
         cfg, c = self.config, self._last
-        staged = self._stage_k is not None
-        k_out = self._stage_k[:n] if staged else self._scratch_k[slot, :n]
-        v_out = self._stage_v[:n] if staged else self._scratch_v[slot, :n]
+        k_out, v_out = self._stage_k[:n], self._stage_v[:n]
         k_out.fill(np.nan)  # rows a backend forgets to write are caught as non-finite
         v_out.fill(np.nan)
         t0 = time.perf_counter()
@@ -403,17 +399,15 @@ class Atlas:
             c.regen_seconds += time.perf_counter() - t0
         if not (np.isfinite(k_out).all() and np.isfinite(v_out).all()):
             raise NumericError("regenerated rows are not finite (or not fully written)", key)
-        if staged:
-            round_rows(k_out, cfg.dtype, out=self._scratch_k[slot, :n])
-            round_rows(v_out, cfg.dtype, out=self._scratch_v[slot, :n])
-            if _overflows(self._scratch_k[slot, :n], cfg.dtype) or \
-                    _overflows(self._scratch_v[slot, :n], cfg.dtype):
-                raise NumericError(f"regenerated rows overflow {cfg.storage_dtype}", key)
+        k_st, v_st = round_rows(k_out, cfg.dtype), round_rows(v_out, cfg.dtype)
+        if _overflows(k_st, cfg.dtype) or _overflows(v_st, cfg.dtype):
+            raise NumericError(f"regenerated rows overflow {cfg.storage_dtype}", key)
+        self._scratch_k[slot, :, :n] = k_st.T
+        self._scratch_v[slot, :n] = v_st
         c.regenerations += 1
         c.bytes_regenerated += n * cfg.row_bytes
         if cfg.admit_regenerated_pages and policy.admits(key, cfg.page_tokens, context):
-            self._admit(key, self._scratch_k[slot, :n], self._scratch_v[slot, :n], policy,
-                        context)
+            self._admit(key, k_st, v_st, policy, context)
 
     def _admit(self, key: PageKey, k_st, v_st, policy, context: int) -> bool:
         c = self._last
@@ -459,6 +453,5 @@ class Atlas:
     def _wipe_scratch(self) -> None:
         self._scratch_k.fill(0)
         self._scratch_v.fill(0)
-        if self._stage_k is not None:  # float32 staging rows of 16-bit storage hold K/V too
-            self._stage_k.fill(0)
-            self._stage_v.fill(0)
+        self._stage_k.fill(0)  # the float32 staging rows hold K/V too
+        self._stage_v.fill(0)
