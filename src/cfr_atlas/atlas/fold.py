@@ -226,8 +226,9 @@ def fold_runs(q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_sta
 
     q: (T, H, G, D) f32 queries; qpos: (T,) absolute positions; k_hot: (S, D, P) stored K^T
     slab, v_hot: (S, P, D) V slab; k_scr/v_scr: the same layouts for scratch; page i comes
-    from slab or scratch (pg_src) at pg_slot[i] and covers tokens [pg_start[i], pg_start[i] + pg_len[i]). Runs are consecutive
-    pages of one (head index, partition); run r = pages run_begin[r]:run_begin[r+1].
+    from slab or scratch (pg_src) at pg_slot[i] and covers tokens [pg_start[i], pg_start[i] +
+    pg_len[i]). Runs are consecutive pages of one (head index, partition); run r = pages
+    run_begin[r]:run_begin[r+1].
     alibi: (H, G) f32 slopes (0 = none); softcap 0 = none; window 0 = none.
     m, l: (T, H, NPART, G) f64; acc: (T, H, NPART, G, D) f64 — updated in place.
     """

@@ -3,9 +3,10 @@
 Storage is one growable slab per layer: `k` (slots, head_dim, page_tokens) holds K pages
 transposed (the fold's score loop runs across keys), `v` (slots, page_tokens, head_dim) holds
 V rows, both in the storage dtype; a page occupies one slot. `admit` and `grow` take rows.
-Per layer, three tables indexed [kv_head, page_index] say where a page lives (`slot`, -1 when not resident), how many tokens it
-holds (`tokens`) and when it was last used (`last_use`, a call counter). The fold reads the
-tables with NumPy, so an all-hot call costs no per-page Python.
+Per layer, three tables indexed [kv_head, page_index] say where a page lives (`slot`, -1 when
+not resident), how many tokens it holds (`tokens`) and when it was last used (`last_use`, a
+call counter). The fold reads the tables with NumPy, so an all-hot call costs no per-page
+Python.
 
 Invariants (checked by the stateful test):
 - resident_bytes == sum over resident pages of tokens * row_bytes, and per layer likewise;
