@@ -53,9 +53,10 @@ def prefill(model, session, ids: np.ndarray, *, chunk_tokens: int = DEFAULT_CHUN
     for a in range(start, len(ids), chunk_tokens):
         chunk = ids[a:a + chunk_tokens]
         last = a + chunk_tokens >= len(ids)
-        logits = model.forward_chunk(session, chunk, all_logits=all_logits or not last)
-        if all_logits or last:
-            out.append(logits if all_logits else logits[-1:])
+        logits = model.forward_chunk(session, chunk, all_logits=all_logits,
+                                     output=all_logits or last)
+        if logits is not None:
+            out.append(logits)
         if progress is not None:
             progress(len(chunk))
     return np.concatenate(out) if all_logits else out[-1]

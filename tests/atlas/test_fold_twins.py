@@ -1,4 +1,4 @@
-"""The numba fold kernels against their NumPy twins (`fold_runs_numpy`, `merge_partitions_numpy`).
+"""The numba fold kernels against their NumPy twins (`fold_pages_numpy`, `merge_partitions_numpy`).
 
 Tolerances: the twin computes scores with a BLAS matmul (a different summation order from the
 kernel's eight partial sums), so the two score sets differ by up to 2 * gamma(D + 10) * (scale *
@@ -33,28 +33,18 @@ def _problem(rng, dtype: StorageDtype, *, T=3, H=2, G=2, D=12, P=5, context=33, 
     # K pages are stored transposed, (slots, D, P)
     k_hot, k_scr = (np.ascontiguousarray(a.transpose(0, 2, 1)) for a in (k_hot, k_scr))
     n_pages = -(-context // P)
-    cols = {name: [] for name in ("src", "slot", "start", "len", "head", "part")}
-    for h in range(H):
-        for page in range(n_pages):
-            src = int(rng.integers(0, 2))
-            cols["src"].append(src)
-            cols["slot"].append(int(rng.integers(0, S if src == fold.SRC_HOT else C)))
-            cols["start"].append(page * P)
-            cols["len"].append(min(P, context - page * P))
-            cols["head"].append(h)
-            cols["part"].append(page // split)
-    cols = {k: np.asarray(v, dtype=np.int64) for k, v in cols.items()}
-    key = cols["head"] * 1000 + cols["part"]
-    run_begin = np.concatenate(([0], np.flatnonzero(np.diff(key)) + 1, [len(key)]))
+    lo = max(0, (context - T - window + 1) // P) if window else 0
+    n_pg = n_pages - lo
+    src = rng.integers(0, 2, (H, n_pg)).astype(np.int64)
+    slot = np.where(src == fold.SRC_HOT, rng.integers(0, S, (H, n_pg)),
+                    rng.integers(0, C, (H, n_pg))).astype(np.int64)
     slopes = rng.uniform(0, 0.5, (H, G)) if alibi else np.zeros((H, G))
     sink = rng.uniform(-2, 2, (H, G)) if sinks else np.full((H, G), np.nan)
     if sinks:
         sink[0, 0] = np.nan  # a head without a sink beside heads with one
     args = (q, np.arange(context - T, context, dtype=np.int64), k_hot, v_hot, k_scr, v_scr,
-            dtype.code, cols["src"], cols["slot"], cols["start"], cols["len"],
-            run_begin.astype(np.int64), cols["head"][run_begin[:-1]],
-            cols["part"][run_begin[:-1]], np.float32(1 / math.sqrt(D)), np.float32(softcap),
-            slopes.astype(np.float32), window)
+            dtype.code, src, slot, lo, context, split, 0, H * n_pg,
+            np.float32(1 / math.sqrt(D)), np.float32(softcap), slopes.astype(np.float32), window)
     n_part = -(-n_pages // split)
     widest = max(np.abs(widen(a, dtype)).max() for a in (k_hot, k_scr))
     vmax = max(np.abs(widen(a, dtype)).max() for a in (v_hot, v_scr))
@@ -87,8 +77,8 @@ def test_fold_and_merge_match_numpy_twins(dtype, case):
     args, shape, sinks, tol = _problem(rng, dtype, **CASES[case])
     m1, l1, acc1 = _state(*shape)
     m2, l2, acc2 = _state(*shape)
-    fold.fold_runs(*args, m1, l1, acc1)
-    fold.fold_runs_numpy(*args, m2, l2, acc2)
+    fold.fold_pages(*args, m1, l1, acc1)
+    fold.fold_pages_numpy(*args, m2, l2, acc2)
     assert np.array_equal(np.isinf(m1), np.isinf(m2))  # the same partitions saw tokens
     assert np.array_equal(l1 == 0, l2 == 0)
 

@@ -20,7 +20,7 @@ summed over dims in order, K pages stored transposed so keys fill the vector lan
 weight is rounded to float32 once and used for both l and the page's float32 sum of V rows;
 l and acc accumulate across pages in float64 (see docs/MATH.md).
 
-Each numba kernel has a NumPy twin (`fold_runs_numpy`, `merge_partitions_numpy`) with the same
+Each numba kernel has a NumPy twin (`fold_pages_numpy`, `merge_partitions_numpy`) with the same
 signature, used by the tests. This module holds no cache or policy logic.
 """
 
@@ -113,21 +113,26 @@ def _exp_into(x, n_items, out, bits):
 
 
 @njit(cache=True, inline="always")
-def _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_start, pg_len,
-               run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc):
-    """Work item w = (run r, query t): fold run r's pages, in order, into state (t, h, part).
+def _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, context, split, a, b,
+               scale, softcap, alibi, window, m, l, acc):
+    """Work item w = (head h, partition, query t): fold the partition's pages of the walk
+    slice a..b, in page order, into state (t, h, partition).
 
     K pages are stored transposed, (D, P), so a score is a plain dot product summed over
-    dims 0..D-1 in order, vectorized across keys. Weights are rounded once to float32; the same
+    dims 0..D-1 in order, vectorized across keys. Weights are rounded to float32 once; the same
     float32 weight enters l (summed in float64) and the page's float32 weighted sum of V rows
     (keys in order), which is then added into the float64 acc.
     """
-    n_tok, _, n_grp, d = q.shape
+    n_tok, n_head, n_grp, d = q.shape
     page_tokens = v_hot.shape[1]
-    r = w // n_tok
-    t = w - r * n_tok
-    h, part, pos = run_head[r], run_part[r], qpos[t]
-    lo = pos - window + 1 if window > 0 else 0
+    n_pg = src.shape[1]
+    p0 = lo // split
+    n_items_part = (lo + n_pg - 1) // split - p0 + 1
+    t = w % n_tok
+    part = p0 + (w // n_tok) % n_items_part
+    h = w // (n_tok * n_items_part)
+    pos = qpos[t]
+    low = pos - window + 1 if window > 0 else 0
     s = np.empty((n_grp, page_tokens), dtype=np.float32)
     x = np.empty(page_tokens, dtype=np.float64)
     p64 = np.empty(page_tokens, dtype=np.float64)
@@ -136,19 +141,23 @@ def _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg
     ag = np.empty((n_grp, d), dtype=np.float32)
     kbuf = np.empty((d, page_tokens), dtype=np.float32)
     vbuf = np.empty((page_tokens, d), dtype=np.float32)
-    for i in range(run_begin[r], run_begin[r + 1]):
-        start = pg_start[i]
+    for gp in range(max(part * split, lo), min((part + 1) * split, lo + n_pg)):
+        f = h * n_pg + gp - lo
+        if f < a or f >= b:
+            continue
+        start = gp * page_tokens
         if start > pos:
             break
-        j0 = max(0, lo - start)
-        j1 = min(pg_len[i], pos - start + 1)
+        j0 = max(0, low - start)
+        j1 = min(min(page_tokens, context - start), pos - start + 1)
         if j0 >= j1:
             continue
-        n = j1 - j0
-        if pg_src[i] == SRC_HOT:
-            kr, vr = k_hot[pg_slot[i]], v_hot[pg_slot[i]]
+        i = gp - lo
+        if src[h, i] == SRC_HOT:
+            kr, vr = k_hot[slot[h, i]], v_hot[slot[h, i]]
         else:
-            kr, vr = k_scr[pg_slot[i]], v_scr[pg_slot[i]]
+            kr, vr = k_scr[slot[h, i]], v_scr[slot[h, i]]
+        n = j1 - j0
         kf = _as_f32_cols(kr, j0, j1, code, kbuf)
         vf = _as_f32_rows(vr, j0, j1, code, vbuf)
         for g in range(n_grp):
@@ -198,20 +207,25 @@ def _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg
                 acc[t, h, part, g, e] += np.float64(ag[g, e])
 
 
+def _n_items(q, src, lo, split):
+    n_pg = src.shape[1]
+    return src.shape[0] * ((lo + n_pg - 1) // split - lo // split + 1) * q.shape[0]
+
+
 @njit(cache=True, nogil=True)
-def _fold_serial(q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_start, pg_len,
-                 run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc):
-    for w in range(run_head.shape[0] * q.shape[0]):
-        _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_start,
-                   pg_len, run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc)
+def _fold_serial(q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, context, split, a, b,
+                 scale, softcap, alibi, window, m, l, acc, n_items):
+    for w in range(n_items):
+        _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, context, split,
+                   a, b, scale, softcap, alibi, window, m, l, acc)
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _fold_parallel(q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_start, pg_len,
-                   run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc):
-    for w in prange(run_head.shape[0] * q.shape[0]):
-        _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_start,
-                   pg_len, run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc)
+def _fold_parallel(q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, context, split, a,
+                   b, scale, softcap, alibi, window, m, l, acc, n_items):
+    for w in prange(n_items):
+        _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, context, split,
+                   a, b, scale, softcap, alibi, window, m, l, acc)
 
 
 # Below this many (query head x key) pairs a call runs on one thread: waking the pool costs
@@ -220,22 +234,22 @@ def _fold_parallel(q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, p
 PARALLEL_MIN_PAIRS = 1 << 16
 
 
-def fold_runs(q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_start, pg_len,
-              run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc):
-    """Absorb a batch of pages into the partition states.
+def fold_pages(q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, context, split, a, b,
+               scale, softcap, alibi, window, m, l, acc):
+    """Absorb pages a..b of a walk into the partition states.
 
-    q: (T, H, G, D) f32 queries; qpos: (T,) absolute positions; k_hot: (S, D, P) stored K^T
-    slab, v_hot: (S, P, D) V slab; k_scr/v_scr: the same layouts for scratch; page i comes
-    from slab or scratch (pg_src) at pg_slot[i] and covers tokens [pg_start[i], pg_start[i] +
-    pg_len[i]). Runs are consecutive pages of one (head index, partition); run r = pages
-    run_begin[r]:run_begin[r+1].
+    The walk covers pages lo..lo+NP-1 of H K/V heads, head-major: flat index f = h * NP + i is
+    page lo + i of head h, which comes from the slab (src[h, i] == SRC_HOT) or from scratch, at
+    slot[h, i]; src, slot: (H, NP) int64. Page g covers tokens [g P, min((g+1) P, context)).
+    q: (T, H, G, D) f32 queries at positions qpos (T,); k_hot: (S, D, P) K^T slab, v_hot:
+    (S, P, D) V slab; k_scr/v_scr: the same layouts for scratch. Partition of page g: g // split.
     alibi: (H, G) f32 slopes (0 = none); softcap 0 = none; window 0 = none.
     m, l: (T, H, NPART, G) f64; acc: (T, H, NPART, G, D) f64 — updated in place.
     """
-    pairs = q.shape[0] * q.shape[2] * int(pg_len.sum())
+    pairs = q.shape[0] * q.shape[2] * (b - a) * k_hot.shape[2]
     kernel = _fold_parallel if pairs >= PARALLEL_MIN_PAIRS else _fold_serial
-    kernel(q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_start, pg_len,
-           run_begin, run_head, run_part, scale, softcap, alibi, window, m, l, acc)
+    kernel(q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, context, split, a, b, scale,
+           softcap, alibi, window, m, l, acc, _n_items(q, src, lo, split))
 
 
 @njit(cache=True, inline="always")
@@ -297,34 +311,36 @@ def merge_partitions(m, l, acc, sinks, out):
 
 # --- NumPy twins (same signatures; tests compare them with the kernels) ----------------------
 
-def fold_runs_numpy(q, qpos, k_hot, v_hot, k_scr, v_scr, code, pg_src, pg_slot, pg_start,
-                    pg_len, run_begin, run_head, run_part, scale, softcap, alibi, window,
-                    m, l, acc):
+def fold_pages_numpy(q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, context, split,
+                     a, b, scale, softcap, alibi, window, m, l, acc):
     from cfr_atlas.atlas.storage import StorageDtype, widen
 
     dtype = {0: StorageDtype.FLOAT32, 1: StorageDtype.FLOAT16, 2: StorageDtype.BFLOAT16}[code]
-    for r in range(len(run_head)):
-        h, part = run_head[r], run_part[r]
-        for i in range(run_begin[r], run_begin[r + 1]):
-            src_k, src_v = (k_hot, v_hot) if pg_src[i] == SRC_HOT else (k_scr, v_scr)
-            kf = widen(np.ascontiguousarray(src_k[pg_slot[i], :, :pg_len[i]].T), dtype)
-            vf = widen(src_v[pg_slot[i], :pg_len[i]], dtype)
-            keypos = pg_start[i] + np.arange(pg_len[i])
-            for t, pos in enumerate(qpos):
-                valid = (keypos <= pos) & ((keypos > pos - window) if window > 0 else True)
-                if not valid.any():
-                    continue
-                s = (q[t, h] @ kf.T).astype(np.float32) * np.float32(scale)  # (G, n)
-                if softcap > 0:
-                    s = np.float32(softcap) * np.tanh(s / np.float32(softcap))
-                s = s + alibi[h][:, None] * (keypos - pos).astype(np.float32)
-                s = np.where(valid, s, -np.inf).astype(np.float64)
-                m_new = np.maximum(m[t, h, part], s.max(axis=1))
-                corr = np.where(m[t, h, part] == -np.inf, 0.0, np.exp(m[t, h, part] - m_new))
-                p = np.exp(s - m_new[:, None])
-                l[t, h, part] = l[t, h, part] * corr + p.sum(axis=1)
-                acc[t, h, part] = acc[t, h, part] * corr[:, None] + p @ vf.astype(np.float64)
-                m[t, h, part] = m_new
+    P = v_hot.shape[1]
+    n_pg = src.shape[1]
+    for f in range(a, b):
+        h, i = divmod(f, n_pg)
+        gp = lo + i
+        part, n = gp // split, min(P, context - gp * P)
+        src_k, src_v = (k_hot, v_hot) if src[h, i] == SRC_HOT else (k_scr, v_scr)
+        kf = widen(np.ascontiguousarray(src_k[slot[h, i], :, :n].T), dtype)
+        vf = widen(src_v[slot[h, i], :n], dtype)
+        keypos = gp * P + np.arange(n)
+        for t, pos in enumerate(qpos):
+            valid = (keypos <= pos) & ((keypos > pos - window) if window > 0 else True)
+            if not valid.any():
+                continue
+            s = (q[t, h] @ kf.T).astype(np.float32) * np.float32(scale)  # (G, n)
+            if softcap > 0:
+                s = np.float32(softcap) * np.tanh(s / np.float32(softcap))
+            s = s + alibi[h][:, None] * (keypos - pos).astype(np.float32)
+            s = np.where(valid, s, -np.inf).astype(np.float64)
+            m_new = np.maximum(m[t, h, part], s.max(axis=1))
+            corr = np.where(m[t, h, part] == -np.inf, 0.0, np.exp(m[t, h, part] - m_new))
+            p = np.exp(s - m_new[:, None])
+            l[t, h, part] = l[t, h, part] * corr + p.sum(axis=1)
+            acc[t, h, part] = acc[t, h, part] * corr[:, None] + p @ vf.astype(np.float64)
+            m[t, h, part] = m_new
 
 
 def merge_partitions_numpy(m, l, acc, sinks, out):

@@ -93,27 +93,6 @@ def _overflows(stored: np.ndarray, dtype: StorageDtype) -> bool:
     return dtype is not StorageDtype.FLOAT32 and not np.isfinite(widen(stored, dtype)).all()
 
 
-class _Batch:
-    """Pages waiting for one fold call: parallel lists of small arrays, concatenated at flush."""
-
-    FIELDS = ("src", "slot", "start", "len", "head", "part")
-
-    def __init__(self):
-        self.parts = {f: [] for f in self.FIELDS}
-        self.n = 0
-
-    def add(self, **cols) -> None:
-        for f in self.FIELDS:
-            self.parts[f].append(np.atleast_1d(np.asarray(cols[f], dtype=np.int64)))
-        self.n += len(self.parts["src"][-1])
-
-    def take(self) -> dict[str, np.ndarray]:
-        cols = {f: np.concatenate(v) for f, v in self.parts.items()}
-        self.parts = {f: [] for f in self.FIELDS}
-        self.n = 0
-        return cols
-
-
 class Atlas:
     """Virtual K/V for one sequence: a hot cache, scratch, and the fold (see module docstring)."""
 
@@ -239,6 +218,9 @@ class Atlas:
         context = start + k_rows.shape[0]
         self._tick += 1
         self._last = Counters(calls=1)
+        if self._append_in_place(layer, heads, start, k_st, v_st):
+            self._total.add(self._last)
+            return k_st, v_st
         self.cache.begin()
         try:
             for hi, head in enumerate(heads):
@@ -249,6 +231,32 @@ class Atlas:
         self.cache.commit()
         self._total.add(self._last)
         return k_st, v_st
+
+    def _append_in_place(self, layer, heads, start, k_st, v_st) -> bool:
+        """The decode fast path: every head's page is resident, holds exactly the rows before
+        `start`, has room for the new rows, and the budgets have room too. Then all heads grow
+        in one vectorized write (what `_write_head` would do head by head); else False."""
+        cfg, cache = self.config, self.cache
+        P, T = cfg.page_tokens, k_st.shape[0]
+        page, off = divmod(start, P)
+        lay = cache.layers.get(layer)
+        if lay is None or off + T > P or off == 0 or max(heads) >= lay.slot.shape[0] \
+                or page >= lay.slot.shape[1]:
+            return False
+        hidx = np.asarray(heads, dtype=np.int64)
+        slots = lay.slot[hidx, page]
+        nbytes = T * len(heads) * cfg.row_bytes
+        if (slots < 0).any() or (lay.tokens[hidx, page] != off).any() \
+                or cache.resident_bytes + nbytes > cache.budget() \
+                or lay.bytes + nbytes > cache.layer_budget(layer):
+            return False
+        lay.k[slots, :, off:off + T] = k_st.transpose(1, 2, 0)
+        lay.v[slots, off:off + T] = v_st.transpose(1, 0, 2)
+        lay.tokens[hidx, page] += T
+        lay.last_use[hidx, page] = self._tick
+        cache._account(lay, nbytes)
+        self._peak = max(self._peak, cache.resident_bytes)
+        return True
 
     def truncate(self, context_tokens: int) -> None:
         """Forget every resident row at or after `context_tokens` (rewind a sequence)."""
@@ -323,8 +331,8 @@ class Atlas:
         pages = np.arange(lo, n_pages, dtype=np.int64)
         starts = pages * P
         lens = np.minimum(P, context - starts)
-        slots = lay.slot[hidx][:, lo:n_pages]
-        hot = (slots >= 0) & (lay.tokens[hidx][:, lo:n_pages] == lens)
+        slots = lay.slot[hidx, lo:n_pages]  # a copy: misses get their scratch slot here
+        hot = (slots >= 0) & (lay.tokens[hidx, lo:n_pages] == lens)
         for hi, pi in zip(*np.nonzero((slots >= 0) & ~hot), strict=True):  # stale partial pages
             self.cache.evict(PageKey(layer, heads[hi], int(starts[pi])))
             c.evictions += 1
@@ -336,51 +344,41 @@ class Atlas:
             prefetch([(PageKey(layer, heads[hi], int(starts[pi])),
                        range(int(starts[pi]), int(starts[pi] + lens[pi])))
                       for hi, pi in zip(*np.nonzero(~hot), strict=True)])
-        batch, n_scr = _Batch(), 0
-        parts = pages // split
-        t_fold = 0.0
-        for hi, head in enumerate(heads):
-            misses = np.flatnonzero(~hot[hi]).tolist() + [len(pages)]
-            prev = 0
-            for mi in misses:
-                if mi > prev:  # a run of hot pages, added in bulk
-                    sl = slice(prev, mi)
-                    batch.add(src=np.zeros(mi - prev), slot=slots[hi, sl], start=starts[sl],
-                              len=lens[sl], head=np.full(mi - prev, hi), part=parts[sl])
-                    c.hot_hits += mi - prev
-                if mi == len(pages):
-                    break
-                if n_scr == cfg.scratch_pages:
-                    t_fold += self._flush(batch, q, qpos, lay, scale, cap, alibi, win, m, l, acc)
-                    n_scr = 0
-                key = PageKey(layer, head, int(starts[mi]))
-                self._regenerate(backend, key, int(lens[mi]), n_scr, policy, context)
-                batch.add(src=fold.SRC_SCRATCH, slot=n_scr, start=starts[mi], len=lens[mi],
-                          head=hi, part=parts[mi])
-                n_scr += 1
-                prev = mi + 1
-        t_fold += self._flush(batch, q, qpos, lay, scale, cap, alibi, win, m, l, acc)
+        # The walk, head-major then page: hot pages fold from their slab slot; each miss is
+        # regenerated into the next scratch slot, and the walk so far is folded whenever
+        # scratch is full.
+        src = (~hot).astype(np.int64)
+        n_pg = len(pages)
+        fold_args = (q, qpos, lay, src, slots, lo, context, scale, cap, alibi, win, m, l, acc)
+        t_fold, begin, n_scr = 0.0, 0, 0
+        for f in np.flatnonzero(src).tolist():
+            if n_scr == cfg.scratch_pages:
+                t_fold += self._flush(begin, f, *fold_args)
+                begin, n_scr = f, 0
+            hi, pi = divmod(f, n_pg)
+            self._regenerate(backend, PageKey(layer, heads[hi], int(starts[pi])), int(lens[pi]),
+                             n_scr, policy, context)
+            slots[hi, pi] = n_scr
+            n_scr += 1
+        t_fold += self._flush(begin, src.size, *fold_args)
+        c.hot_hits += int(hot.sum())
         t0 = time.perf_counter()
         result = out if out is not None else np.empty(q.shape, dtype=np.float32)
         fold.merge_partitions(m, l, acc, sinks, result)
         c.fold_seconds += t_fold + time.perf_counter() - t0
-        c.pages_folded += n_head * len(pages)
+        c.pages_folded += n_head * n_pg
         c.tokens_consumed += int(lens.sum()) * n_head
         return result
 
-    def _flush(self, batch, q, qpos, lay, scale, cap, alibi, win, m, l, acc) -> float:
-        if batch.n == 0:
+    def _flush(self, a, b, q, qpos, lay, src, slots, lo, context, scale, cap, alibi, win, m, l,
+               acc) -> float:
+        """Fold pages a..b of the walk (flat index = head index * pages + page - lo)."""
+        if a >= b:
             return 0.0
         t0 = time.perf_counter()
-        cols = batch.take()
-        key = cols["head"] * m.shape[2] + cols["part"]
-        bounds = np.flatnonzero(np.diff(key)) + 1
-        run_begin = np.concatenate(([0], bounds, [len(key)])).astype(np.int64)
-        fold.fold_runs(q, qpos, lay.k, lay.v, self._scratch_k, self._scratch_v,
-                       self.config.dtype.code, cols["src"], cols["slot"], cols["start"],
-                       cols["len"], run_begin, cols["head"][run_begin[:-1]],
-                       cols["part"][run_begin[:-1]], np.float32(scale), np.float32(cap), alibi,
-                       win, m, l, acc)
+        fold.fold_pages(q, qpos, lay.k, lay.v, self._scratch_k, self._scratch_v,
+                        self.config.dtype.code, src, slots, lo, context, self.config.split_pages,
+                        a, b, np.float32(scale), np.float32(cap), alibi, win, m, l, acc)
         return time.perf_counter() - t0
 
     def _regenerate(self, backend, key: PageKey, n: int, slot: int, policy, context: int) -> None:

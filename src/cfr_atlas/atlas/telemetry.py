@@ -27,12 +27,15 @@ class Counters:
     fold_seconds: float = 0.0
 
     def add(self, other: Counters) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for name in _COUNTER_NAMES:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
     def hit_rate(self) -> float:
         return self.hot_hits / self.pages_folded if self.pages_folded else 0.0
+
+
+_COUNTER_NAMES = tuple(f.name for f in dataclasses.fields(Counters))
 
 
 @dataclass

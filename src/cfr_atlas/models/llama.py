@@ -190,11 +190,12 @@ class LlamaModel:
         return q, k, v
 
     def forward_chunk(self, session, ids: np.ndarray, *, all_logits: bool = True,
-                      hidden: bool = False) -> np.ndarray:
+                      hidden: bool = False, output: bool = True) -> np.ndarray | None:
         """Tokens ids (T,) at positions session.n_tokens ... -> logits (T or 1, vocab) float32,
         or with hidden=True the final normalized hidden states (T or 1, dim).
 
         Appends the chunk's K/V to the session. Every row's arithmetic is independent of T.
+        output=False skips the output head (a prefill chunk whose logits nobody reads): None.
         """
         c, w = self.config, self.weights
         T = ids.shape[0]
@@ -211,6 +212,8 @@ class LlamaModel:
             gu = _matmul(lay.w_gate_up, rms_norm(x, lay.ffn_norm, c.norm_eps))
             x = x + lay.w_down.matmul(swiglu(gu[:, :c.hidden_dim], gu[:, c.hidden_dim:]))
         session.advance(ids)
+        if not output:
+            return None
         if not all_logits:
             x = x[-1:]
         x = rms_norm(x, w.output_norm, c.norm_eps)
