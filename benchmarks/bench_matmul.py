@@ -2,10 +2,15 @@
 
 For each format and (N, K) it prints matvec in G weights/s, matmul of T tokens in tokens/s and
 G weights/s, and the baseline "dequantize into a reused float32 buffer, then NumPy BLAS"
-(W @ x, X @ W.T), with ratios (> 1 means the quantized kernel is faster). Times are medians of
-runs measured side by side in one process, spread over several passes so that load from other
-processes spreads too; --stat min approximates an idle machine. The baseline is not batch
-invariant; it is only a yardstick. Holds no assertions; tests/quant checks correctness.
+(W @ x, X @ W.T), with ratios (> 1 means the quantized kernel is faster). The baseline is not
+batch invariant; it is only a yardstick.
+
+Method: calls run in batches of at least --batch seconds; a batch's time per call is its mean.
+Kernel and baseline batches alternate, and each case's batches are spread over several passes.
+On a shared machine a batch during which other processes used more than --max-foreign of the
+CPUs (from /proc/stat minus this process's own CPU time) is set aside; the table reports the
+median over the clean batches (all batches if fewer than two are clean) and how many were clean.
+Holds no assertions; tests/quant checks correctness.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from cfr_atlas.quant import QType, QuantWeight, q4_1, q8_0
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 BLOCK_DTYPES = {QType.Q4_1: q4_1.BLOCK, QType.Q8_0: q8_0.BLOCK}
+TICK = os.sysconf("SC_CLK_TCK")
 
 
 def random_weight(qtype: QType, n: int, k: int, rng: np.random.Generator) -> QuantWeight:
@@ -36,16 +42,31 @@ def random_weight(qtype: QType, n: int, k: int, rng: np.random.Generator) -> Qua
     return QuantWeight.from_raw(f"{qtype.name} {n}x{k}", qtype, blocks.view(np.uint8), (n, k))
 
 
-def paired_times(fa, fb, budget: float, min_runs: int = 2, max_runs: int = 1000):
-    """Seconds per call of fa and fb, run alternately so load from other processes hits both."""
-    ta, tb = [], []
-    start = time.perf_counter()
-    while len(ta) < max_runs and (len(ta) < min_runs or time.perf_counter() - start < budget):
-        for f, ts in ((fa, ta), (fb, tb)):
-            t0 = time.perf_counter()
-            f()
-            ts.append(time.perf_counter() - t0)
-    return ta, tb
+def cpu_seconds() -> tuple[float, float]:
+    """(CPU seconds all processes have run, CPU seconds this process has run); the first is NaN
+    where /proc/stat is missing, which marks every batch clean."""
+    t = os.times()
+    try:
+        with open("/proc/stat") as f:
+            v = [int(s) for s in f.readline().split()[1:]]
+        busy = (sum(v) - v[3] - v[4]) / TICK  # minus idle and iowait
+    except OSError:
+        busy = float("nan")
+    return busy, t.user + t.system
+
+
+def batch(f, seconds: float) -> tuple[float, float]:
+    """Run f for at least `seconds` -> (seconds per call, share of all CPUs used by others)."""
+    busy0, own0 = cpu_seconds()
+    t0 = time.perf_counter()
+    calls = 0
+    while calls == 0 or time.perf_counter() - t0 < seconds:
+        f()
+        calls += 1
+    wall = time.perf_counter() - t0
+    busy1, own1 = cpu_seconds()
+    foreign = ((busy1 - busy0) - (own1 - own0)) / (wall * os.cpu_count())
+    return wall / calls, foreign
 
 
 def warm_up(seconds: float) -> None:
@@ -60,7 +81,7 @@ def warm_up(seconds: float) -> None:
 
 
 class Case:
-    """One weight with its inputs, buffers and the run times collected over all passes."""
+    """One weight with its inputs, buffers and the batches collected over all passes."""
 
     def __init__(self, w: QuantWeight, tokens: int, rng: np.random.Generator):
         n, k = w.shape
@@ -70,7 +91,13 @@ class Case:
         self.y = np.empty(n, dtype=np.float32)
         self.Y = np.empty((tokens, n), dtype=np.float32)
         self.wf = np.empty((n, k), dtype=np.float32)  # the baseline's reused buffer
-        self.times = {"mv": [], "mv_blas": [], "mm": [], "mm_blas": []}
+        self.calls = {
+            "mv": lambda: self.w.matvec(self.x, out=self.y),
+            "mv_blas": self.blas_mv,
+            "mm": lambda: self.w.matmul(self.X, out=self.Y),
+            "mm_blas": self.blas_mm,
+        }
+        self.batches: dict[str, list[tuple[float, float]]] = {key: [] for key in self.calls}
 
     def blas_mv(self):
         self.w.dequantize(out=self.wf)
@@ -80,64 +107,66 @@ class Case:
         self.w.dequantize(out=self.wf)
         np.dot(self.X, self.wf.T, out=self.Y)
 
-    def run(self, budget: float) -> None:
-        t = self.times
-        a, b = paired_times(lambda: self.w.matvec(self.x, out=self.y), self.blas_mv, budget)
-        t["mv"] += a
-        t["mv_blas"] += b
-        a, b = paired_times(lambda: self.w.matmul(self.X, out=self.Y), self.blas_mm, budget)
-        t["mm"] += a
-        t["mm_blas"] += b
+    def run(self, seconds: float) -> None:
+        """One batch of each call, kernel and baseline alternating."""
+        for key, f in self.calls.items():
+            self.batches[key].append(batch(f, seconds))
 
-    def row(self, stat) -> str:
+    def seconds(self, key: str, max_foreign: float) -> tuple[float, int]:
+        """Median seconds per call over clean batches (all if < 2 are clean), and clean count."""
+        runs = self.batches[key]
+        clean = [t for t, foreign in runs if not foreign > max_foreign]
+        return statistics.median(clean if len(clean) >= 2 else [t for t, _ in runs]), len(clean)
+
+    def row(self, max_foreign: float) -> str:
         n, k = self.w.shape
-        med = {key: stat(v) for key, v in self.times.items()}
-        mv, mv_b = n * k / med["mv"] / 1e9, n * k / med["mv_blas"] / 1e9
-        tok, tok_b = self.tokens / med["mm"], self.tokens / med["mm_blas"]
-        runs = min(len(v) for v in self.times.values())
-        return (f"{self.w.qtype.name:6} {f'{n}x{k}':>11} | {mv:7.1f} {mv_b:6.1f} {mv / mv_b:5.1f} "
+        (mv, c1), (mv_b, c2), (mm, c3), (mm_b, c4) = (
+            self.seconds(key, max_foreign) for key in self.calls)
+        gw, gw_b = n * k / mv / 1e9, n * k / mv_b / 1e9
+        tok, tok_b = self.tokens / mm, self.tokens / mm_b
+        clean = f"{min(c1, c2, c3, c4)}/{len(self.batches['mv'])}"
+        return (f"{self.w.qtype.name:6} {f'{n}x{k}':>11} | {gw:7.1f} {gw_b:6.1f} {gw / gw_b:5.1f} "
                 f"| {tok:7.0f} {tok * n * k / 1e9:6.1f} {tok_b:7.0f} {tok_b * n * k / 1e9:6.1f} "
-                f"{tok / tok_b:5.2f} | {runs}")
+                f"{tok / tok_b:5.2f} | {clean:>5}")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--formats", default="Q4_1,Q8_0", help="comma-separated (default: %(default)s)")
+    p.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
+                   help="comma-separated NxK (default: the bundled model's shapes)")
     p.add_argument("--tokens", type=int, default=256, help="T for matmul (default: %(default)s)")
-    p.add_argument("--budget", type=float, default=1.0,
-                   help="seconds per measurement pair, summed over passes (default: %(default)s)")
-    p.add_argument("--passes", type=int, default=6,
-                   help="rounds over all cases, at least 2 runs each (default: %(default)s)")
-    p.add_argument("--stat", choices=["median", "min"], default="median",
-                   help="per-call time statistic; min estimates an otherwise idle machine "
+    p.add_argument("--passes", type=int, default=5,
+                   help="batches per call and case, one per pass (default: %(default)s)")
+    p.add_argument("--batch", type=float, default=0.15,
+                   help="minimum seconds per batch (default: %(default)s)")
+    p.add_argument("--max-foreign", type=float, default=0.1,
+                   help="CPU share other processes may use during a clean batch "
                         "(default: %(default)s)")
     p.add_argument("--threads", type=int, default=numba.get_num_threads(),
                    help="numba threads (default: %(default)s)")
-    p.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
-                   help="comma-separated NxK (default: the bundled model's shapes)")
     args = p.parse_args(argv)
     numba.set_num_threads(args.threads)
     formats = [QType[f.strip()] for f in args.formats.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    stat = {"median": statistics.median, "min": min}[args.stat]
     rng = np.random.default_rng(0)
 
     cases = [Case(random_weight(qtype, n, k, rng), args.tokens, rng)
              for qtype in formats for n, k in shapes]
     warm_up(1.5)
-    load = os.getloadavg()[0]
-    for _ in range(args.passes):  # spread each case's runs over the whole benchmark
+    for _ in range(args.passes):  # spread each case's batches over the whole benchmark
         for case in cases:
-            case.run(args.budget / args.passes)
-    print(f"numba threads {args.threads}, matmul T={args.tokens}, {args.stat} time per call over "
-          f"{args.passes} passes; load average {load:.2f} at the start")
+            case.run(args.batch)
+    print(f"numba threads {args.threads}, matmul T={args.tokens}, median of batch means; "
+          f"clean = batches with other processes under {args.max_foreign:.0%} of the CPUs")
     head = (f"{'format':6} {'N x K':>11} | {'matvec':>7} {'blas':>6} {'ratio':>5} | "
-            f"{'matmul':>7} {'':>6} {'blas':>7} {'':>6} {'ratio':>5} | runs")
+            f"{'matmul':>7} {'':>6} {'blas':>7} {'':>6} {'ratio':>5} | clean")
     units = (f"{'':6} {'':>11} | {'Gw/s':>7} {'Gw/s':>6} {'':>5} | "
              f"{'tok/s':>7} {'Gw/s':>6} {'tok/s':>7} {'Gw/s':>6} {'':>5} |")
-    print(head, units, "-" * len(head), *(case.row(stat) for case in cases), sep="\n")
-    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+    print(head, units, "-" * len(head), *(case.row(args.max_foreign) for case in cases),
+          sep="\n")
     return 0
 
 

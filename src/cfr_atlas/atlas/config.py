@@ -60,7 +60,7 @@ class AtlasConfig:
     wipe_scratch_after_use: bool = True
     storage_dtype: str = "float32"
     layer_budgets: dict[int, int] | None = field(default=None, hash=False)
-    split_pages: int = 16
+    split_pages: int = 4
 
     def __post_init__(self):
         _int_field("page_tokens", self.page_tokens, minimum=1, maximum=MAX_PAGE_TOKENS)

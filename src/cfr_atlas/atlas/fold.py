@@ -139,8 +139,9 @@ def _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, cont
     p = np.empty((n_grp, page_tokens), dtype=np.float32)
     bits = np.empty(page_tokens, dtype=np.int64)
     ag = np.empty((n_grp, d), dtype=np.float32)
-    kbuf = np.empty((d, page_tokens), dtype=np.float32)
-    vbuf = np.empty((page_tokens, d), dtype=np.float32)
+    wide = code != 0  # 16-bit pages are widened into these; float32 pages are read in place
+    kbuf = np.empty((d, page_tokens) if wide else (1, 1), dtype=np.float32)
+    vbuf = np.empty((page_tokens, d) if wide else (1, 1), dtype=np.float32)
     for gp in range(max(part * split, lo), min((part + 1) * split, lo + n_pg)):
         f = h * n_pg + gp - lo
         if f < a or f >= b:
@@ -169,14 +170,15 @@ def _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, cont
                 ke = kf[e]
                 for j in range(n):
                     sg[j] += qe * ke[j0 + j]
+            for j in range(n):  # then scale, softcap, ALiBi: one simple loop each
+                sg[j] = sg[j] * scale
+            if softcap > 0.0:
+                for j in range(n):
+                    sg[j] = softcap * np.float32(math.tanh(sg[j] / softcap))
             slope = alibi[h, g]
-            for j in range(n):
-                xj = sg[j] * scale
-                if softcap > 0.0:
-                    xj = softcap * np.float32(math.tanh(xj / softcap))
-                if slope != 0.0:
-                    xj = xj + slope * np.float32(start + j0 + j - pos)
-                sg[j] = xj
+            if slope != 0.0:
+                for j in range(n):
+                    sg[j] = sg[j] + slope * np.float32(start + j0 + j - pos)
             mx = sg[0]
             for j in range(1, n):
                 mx = max(mx, sg[j])
@@ -231,7 +233,7 @@ def _fold_parallel(q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, con
 # Below this many (query head x key) pairs a call runs on one thread: waking the pool costs
 # more than it saves. Serial and parallel kernels inline the same work item, so the split only
 # changes which thread computes an item, never its bits.
-PARALLEL_MIN_PAIRS = 1 << 16
+PARALLEL_MIN_PAIRS = 1 << 13
 
 
 def fold_pages(q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, context, split, a, b,
