@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/cfr-atlas generate --kv-budget 2MiB --max-tokens 48 \
+	$(BIN)/cfr-atlas generate --kv-budget 1MiB --max-tokens 64 --check-exact \
 		"Explain in two sentences why the sky is blue."
 
 test: $(STAMP)

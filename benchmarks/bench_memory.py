@@ -37,7 +37,8 @@ def worker(args) -> None:
         from cfr_atlas.validate import validation_text
 
         ids = np.array(model.tokenize(validation_text())[:args.context], dtype=np.int64)
-    kv = {} if args.budget == "unbounded" else {"kv_budget": args.budget}
+    kv = {} if args.budget == "unbounded" else {"kv_budget": args.budget,
+                                                 "prefetch_pages": args.prefetch}
     with tempfile.TemporaryDirectory() as tmp:
         s = model.session(context_limit=args.context + args.decode_tokens, cache_dir=tmp, **kv)
         t0 = time.perf_counter()
@@ -59,9 +60,10 @@ def worker(args) -> None:
         "regenerated": tel["pages_regenerated"], "digest": digest.hexdigest()}))
 
 
-def run(model, context, budget, decode_tokens, tiny) -> dict:
+def run(model, context, budget, decode_tokens, tiny, prefetch=0) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--context", str(context), "--budget", budget,
-           "--decode-tokens", str(decode_tokens)] + (["--model", model] if model else []) + \
+           "--decode-tokens", str(decode_tokens),
+           "--prefetch", str(prefetch)] + (["--model", model] if model else []) + \
           (["--tiny"] if tiny else [])
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode:
@@ -77,6 +79,8 @@ def main() -> None:
     ap.add_argument("--tiny-context", type=int, default=32768, help="0 to skip the tiny row")
     ap.add_argument("--plot", default=None, help="write a PNG of tokens/s and resident K/V")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--prefetch", type=int, default=0,
+                    help="spill read-ahead pages for budgeted runs (default 0)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--context", type=int, help=argparse.SUPPRESS)
@@ -84,6 +88,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return worker(a)
+
     budgets = a.budgets.split(",")
     if budgets[0] != "unbounded":
         budgets.insert(0, "unbounded")
@@ -104,7 +109,7 @@ def main() -> None:
     for model, ctx, tiny in plans:
         base = None
         for b in budgets:
-            r = run(model, ctx, b, a.decode_tokens, tiny)
+            r = run(model, ctx, b, a.decode_tokens, tiny, a.prefetch)
             base = r if b == "unbounded" else base
             same = r["digest"] == base["digest"]
             rows.append((tiny, ctx, b, r))

@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="complete a prompt and print telemetry")
     g.add_argument("prompt", help="the prompt text (wrapped in the chat template unless --raw)")
+    g.add_argument("--check-exact", action="store_true",
+                   help="run again with all K/V in RAM and check that every step's logits are "
+                   "bitwise equal (meaningful with --kv-budget)")
     _common(g)
     c = sub.add_parser("chat", help="interactive chat, streaming")
     _common(c)
@@ -151,7 +154,7 @@ def telemetry_lines(t: dict) -> list[str]:
     ]
 
 
-def _generate(a) -> None:
+def _generate(a) -> int:
     from cfr_atlas.engine import load_model
 
     model = load_model(a.model, prefix_cache=a.prefix_cache)
@@ -159,8 +162,18 @@ def _generate(a) -> None:
     for piece in model.stream(prompt, **_gen_options(a), **_kv_options(a)):
         print(piece, end="", flush=True)
     print()
-    print("\n".join("# " + line for line in telemetry_lines(model.last_telemetry)),
-          file=sys.stderr)
+    budgeted = model.last_telemetry
+    print("\n".join("# " + line for line in telemetry_lines(budgeted)), file=sys.stderr)
+    if a.check_exact:
+        text = "".join(model.stream(prompt, **_gen_options(a), storage_dtype=a.kv_dtype))
+        same = model.last_telemetry["logits_sha256"] == budgeted["logits_sha256"]
+        verdict = "yes: bitwise equal to" if same else "NO: they differ from"
+        print(f"# exact            logits of all {budgeted['generated_tokens']} steps, "
+              f"{verdict} the all-in-RAM run (sha256 {budgeted['logits_sha256'][:16]})",
+              file=sys.stderr)
+        if not same or not text:
+            return 1
+    return 0
 
 
 def _chat(a) -> None:

@@ -7,6 +7,7 @@ state under an optional budget) and the generation iterator. Every entry point b
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 
@@ -98,11 +99,13 @@ class Model:
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         stops = [stop] if isinstance(stop, str) else [s for s in stop if s]
         decoder, held, timer, n = StreamDecoder(self.tokenizer), "", Timer(), 0
+        digest = hashlib.sha256()  # of every step's logits: a cheap bitwise fingerprint
         with _closing(self.session(**kv)) as s:
             steps = generate_steps(self.net, s, ids, params, max_tokens=max_tokens,
                                    eos_ids=self.tokenizer.eos_ids, chunk_tokens=chunk_tokens)
             for step in steps:
                 n += 1
+                digest.update(step.logits.tobytes())
                 if step.finish_reason == "stop":
                     break
                 held += decoder.push(step.token)
@@ -119,7 +122,8 @@ class Model:
             if held:
                 yield held
             self.last_telemetry = {**s.telemetry_summary(), "generated_tokens": n,
-                                   "prompt_tokens": len(ids), "seconds": timer.mark("all")}
+                                   "prompt_tokens": len(ids), "seconds": timer.mark("all"),
+                                   "logits_sha256": digest.hexdigest()}
 
     def generate(self, prompt: str | list[int], **kw) -> str:
         """The whole completion as one string (same options as `stream`)."""

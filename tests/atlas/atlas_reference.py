@@ -54,29 +54,32 @@ def reference_attention(q, K, V, pos, scale, *, window=None, softcap=None, alibi
     return out
 
 
-def error_bound(q, K, V, pos, scale, *, window=None, softcap=None, alibi=None) -> float:
+def error_bound(q, K, V, pos, scale, *, window=None, softcap=None, alibi=None,
+                page_tokens=512) -> float:
     """A worst-case bound on |fold - reference| for one query (G, D) at `pos` (see docs/MATH.md).
 
-    Scores: a float32 dot product of D terms kept in 8 partial sums (D/8 sequential adds, then
-    3 pairwise levels), times scale, then optionally divide / tanh / multiply (softcap) and
-    multiply / add (ALiBi): each score is off by at most
-        delta = gamma(D/8 + 10) * (scale * sum_e |q_e K_je| + softcap + |slope| * distance).
+    Scores: a float32 dot product of D terms summed in order (D sequential adds), times scale,
+    then optionally divide / tanh / multiply (softcap) and multiply / add (ALiBi): each score is
+    off by at most
+        delta = gamma(D + 10) * (scale * sum_e |q_e K_je| + softcap + |slope| * distance).
     A perturbation of every score by at most delta moves a softmax average of rows bounded by
-    Vmax by at most 2 (e^delta - 1) e^delta Vmax. The float64 fold adds at most ~(n + 16) units
-    of 2**-53 per weight, and the final cast to float32 2**-24 * |out|.
+    Vmax by at most 2 (e^delta - 1) e^delta Vmax. Each page's float32 sum of at most
+    page_tokens weighted rows (weights <= 1, rounded once) adds (page_tokens + 2) * 2**-24 *
+    Vmax, the float64 fold ~(n + 16) units of 2**-53, and the final cast 2**-24 * |out|.
     """
     q = np.atleast_2d(np.asarray(q, dtype=np.float64))
     D = q.shape[1]
     lo = 0 if window is None else max(0, pos - window + 1)
     Ka, Va = np.abs(K[lo:pos + 1].astype(np.float64)), np.abs(V[lo:pos + 1].astype(np.float64))
     n = pos + 1 - lo
-    k = D // 8 + 10
+    k = D + 10
     gamma = k * U32 / (1 - k * U32)
     slope = 0.0 if alibi is None else float(np.max(np.abs(alibi)))
     magnitude = scale * (Ka @ np.abs(q).T).max() + (softcap or 0.0) + slope * (n - 1)
     delta = gamma * magnitude
     vmax = Va.max()
-    return (2 * math.expm1(delta) * math.exp(delta) + 4 * (n + 16) * U64 + U32) * vmax
+    pages = (min(page_tokens, n) + 2) * U32
+    return (2 * math.expm1(delta) * math.exp(delta) + pages + 4 * (n + 16) * U64 + U32) * vmax
 
 
 class CountingKv:

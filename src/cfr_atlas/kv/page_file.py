@@ -74,7 +74,7 @@ class SpillKv:
     """Page file of one sequence; also its KvRegenerator (reads a page back into scratch)."""
 
     def __init__(self, folder: str | os.PathLike | None, page_tokens: int, head_dim: int,
-                 dtype, model_id: str, prefetch_pages: int = 2):
+                 dtype, model_id: str, prefetch_pages: int = 0):
         self.folder = Path(folder).expanduser() if folder else default_cache_dir()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,7 @@ class Session:
 
     def __init__(self, model, *, kv_budget=None, regenerator: str = "spill", policy=None,
                  storage_dtype: str = "float32", page_tokens: int = 256, cache_dir=None,
-                 context_limit: int | None = None, prefetch_pages: int = 2, prefix=None):
+                 context_limit: int | None = None, prefetch_pages: int = 0, prefix=None):
         c = model.config
         self.model = model
         self.context_limit = c.context_length if context_limit is None else context_limit
