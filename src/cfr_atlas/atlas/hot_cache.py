@@ -70,6 +70,7 @@ class HotCache:
 
     def __init__(self, config: AtlasConfig):
         self.config = config
+        self.row_bytes, self.page_tokens = config.row_bytes, config.page_tokens
         self.layers: dict[int, _Layer] = {}
         self.resident_bytes = 0
         self._journal: list[tuple] | None = None
@@ -112,7 +113,7 @@ class HotCache:
         for entry in reversed(self._journal or []):
             op, layer, head, page, slot, tokens, last_use = entry
             lay = self.layers[layer]
-            nbytes = tokens * self.config.row_bytes
+            nbytes = tokens * self.row_bytes
             if op == "admit":
                 lay.slot[head, page] = -1
                 lay.tokens[head, page] = 0
@@ -140,11 +141,11 @@ class HotCache:
     # --- mutators --------------------------------------------------------------------------
     def evict(self, key: PageKey) -> None:
         lay = self.layers[key.layer]
-        page = key.start_token // self.config.page_tokens
+        page = key.start_token // self.page_tokens
         slot, tokens = int(lay.slot[key.kv_head, page]), int(lay.tokens[key.kv_head, page])
         lay.slot[key.kv_head, page] = -1
         lay.tokens[key.kv_head, page] = 0
-        self._account(lay, -tokens * self.config.row_bytes)
+        self._account(lay, -tokens * self.row_bytes)
         if self._journal is not None:
             self._pending.append((key.layer, slot))
         else:
@@ -161,7 +162,7 @@ class HotCache:
             return 0
         if nbytes > min(self.budget(), self.layer_budget(key.layer)):
             return -1
-        incoming = policy.keep_priority(key, self.config.page_tokens, context_tokens, tick)
+        incoming = policy.keep_priority(key, self.page_tokens, context_tokens, tick)
         own = self._victims(key.layer, key, policy, context_tokens, incoming)
         chosen, freed = [], 0
         for _, victim, size in own:
@@ -172,7 +173,8 @@ class HotCache:
         if freed < need_layer:
             return -1
         if freed < need_global:
-            others = sorted(v for layer in self.layers if layer != key.layer
+            others = sorted(v for layer, other in self.layers.items()
+                            if layer != key.layer and other.bytes
                             for v in self._victims(layer, key, policy, context_tokens, incoming))
             for _, victim, size in others:
                 if freed >= need_global:
@@ -190,20 +192,20 @@ class HotCache:
         heads, pages = np.nonzero(lay.slot >= 0)
         out = []
         for h, p in zip(heads.tolist(), pages.tolist(), strict=True):
-            key = PageKey(layer, h, p * self.config.page_tokens)
+            key = PageKey(layer, h, p * self.page_tokens)
             if key == protect:
                 continue
-            prio = policy.keep_priority(key, self.config.page_tokens, context_tokens,
+            prio = policy.keep_priority(key, self.page_tokens, context_tokens,
                                         int(lay.last_use[h, p]))
             if prio < incoming:
-                out.append((prio, key, int(lay.tokens[h, p]) * self.config.row_bytes))
+                out.append((prio, key, int(lay.tokens[h, p]) * self.row_bytes))
         out.sort()
         return out
 
     def admit(self, key: PageKey, k_rows: np.ndarray, v_rows: np.ndarray, tick: int) -> None:
         """Copy rows (n, D) in storage dtype into a fresh slot; room must have been made."""
         lay = self.layer(key.layer)
-        page = key.start_token // self.config.page_tokens
+        page = key.start_token // self.page_tokens
         lay.ensure_table(key.kv_head + 1, page + 1)
         slot = lay.take_slot(self.max_slots(key.layer) + len(self._pending))
         n = k_rows.shape[0]
@@ -212,26 +214,26 @@ class HotCache:
         lay.slot[key.kv_head, page] = slot
         lay.tokens[key.kv_head, page] = n
         lay.last_use[key.kv_head, page] = tick
-        self._account(lay, n * self.config.row_bytes)
+        self._account(lay, n * self.row_bytes)
         self._log("admit", key.layer, key.kv_head, page, slot, n, tick)
 
     def grow(self, key: PageKey, k_rows: np.ndarray, v_rows: np.ndarray, tick: int) -> None:
         """Append rows to a resident partial page; room must have been made."""
         lay = self.layers[key.layer]
-        page = key.start_token // self.config.page_tokens
+        page = key.start_token // self.page_tokens
         slot, n0 = int(lay.slot[key.kv_head, page]), int(lay.tokens[key.kv_head, page])
         n = k_rows.shape[0]
         lay.k[slot, :, n0:n0 + n] = k_rows.T
         lay.v[slot, n0:n0 + n] = v_rows
         lay.tokens[key.kv_head, page] = n0 + n
         lay.last_use[key.kv_head, page] = tick
-        self._account(lay, n * self.config.row_bytes)
+        self._account(lay, n * self.row_bytes)
         self._log("grow", key.layer, key.kv_head, page, slot, n, tick)
 
     def page_state(self, key: PageKey) -> tuple[int, int]:
         """(slot, tokens) of a page; slot -1 when not resident."""
         lay = self.layers.get(key.layer)
-        page = key.start_token // self.config.page_tokens
+        page = key.start_token // self.page_tokens
         if lay is None or key.kv_head >= lay.slot.shape[0] or page >= lay.slot.shape[1]:
             return -1, 0
         return int(lay.slot[key.kv_head, page]), int(lay.tokens[key.kv_head, page])

@@ -67,8 +67,10 @@ class KeepRecent:
         return _in_recent(key, page_tokens, context_tokens, self.recent_tokens)
 
     def keep_priority(self, key, page_tokens, context_tokens, last_use) -> tuple:
+        # No recency tie-break: pages of one age never displace each other, so a fold that
+        # scans more pages than fit keeps a stable resident set instead of churning.
         recent = _in_recent(key, page_tokens, context_tokens, self.recent_tokens)
-        return (int(recent), key.start_token, last_use)
+        return (int(recent), key.start_token)
 
 
 @dataclass(frozen=True)
@@ -89,4 +91,4 @@ class KeepSinksAndRecent:
     def keep_priority(self, key, page_tokens, context_tokens, last_use) -> tuple:
         sink = key.start_token < self.sink_tokens
         recent = _in_recent(key, page_tokens, context_tokens, self.recent_tokens)
-        return (int(sink) * 2 + int(recent), key.start_token, last_use)
+        return (int(sink) * 2 + int(recent), key.start_token)
