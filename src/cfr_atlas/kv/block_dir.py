@@ -50,7 +50,7 @@ def scan(root: Path) -> list[tuple[bytes, int]]:
             continue
         for path in folder.iterdir():
             temp = _TEMP.fullmatch(path.name)
-            if temp and (int(temp[1]) == os.getpid() or not _alive(int(temp[1]))):
+            if temp and (int(temp[1]) == os.getpid() or not process_alive(int(temp[1]))):
                 path.unlink(missing_ok=True)
             elif _NAME.fullmatch(path.name) and path.name[:2] != folder.name:
                 path.unlink(missing_ok=True)
@@ -71,7 +71,8 @@ def same_inode(path: Path, inode: int | None) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (files named after dead ones are leftovers)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

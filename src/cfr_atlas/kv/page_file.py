@@ -33,6 +33,7 @@ import numpy as np
 
 from cfr_atlas.atlas.pages import PageKey
 from cfr_atlas.errors import CapacityError, CorruptPageError
+from cfr_atlas.kv.block_dir import process_alive
 
 MAGIC, VERSION = b"CFRKVPG1", 1
 _FILE_HDR = struct.Struct("<8sIIII16s16s")   # 64 bytes
@@ -54,20 +55,10 @@ def clean_stale(folder: Path) -> int:
             pid = int(path.name.split("-")[1])
         except (IndexError, ValueError):
             continue
-        if pid != os.getpid() and not _alive(pid):
+        if pid != os.getpid() and not process_alive(pid):
             path.unlink(missing_ok=True)
             removed += 1
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class SpillKv:
