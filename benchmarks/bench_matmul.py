@@ -6,7 +6,10 @@ G weights/s, and the baseline "dequantize into a reused float32 buffer, then Num
 batch invariant; it is only a yardstick.
 
 Method: calls run in batches of at least --batch seconds; a batch's time per call is its mean.
-Kernel and baseline batches alternate, and each case's batches are spread over several passes.
+Kernel and baseline batches alternate, each after --settle untimed seconds so that the other
+thread pool (numba's or OpenBLAS's, both spin-wait after work) has gone quiet, and each case's
+batches are spread over several passes. The baseline uses NumPy's BLAS threads as configured
+(OPENBLAS_NUM_THREADS), not --threads.
 On a shared machine a batch during which other processes used more than --max-foreign of the
 CPUs (from /proc/stat minus this process's own CPU time) is set aside; the table reports the
 median over the clean batches (all batches if fewer than two are clean) and how many were clean.
@@ -55,8 +58,13 @@ def cpu_seconds() -> tuple[float, float]:
     return busy, t.user + t.system
 
 
-def batch(f, seconds: float) -> tuple[float, float]:
-    """Run f for at least `seconds` -> (seconds per call, share of all CPUs used by others)."""
+def batch(f, seconds: float, settle: float) -> tuple[float, float]:
+    """Run f untimed for `settle` seconds (the other thread pool, numba's or BLAS's, stops
+    spin-waiting), then for at least `seconds` -> (seconds per call, share of all CPUs used
+    by other processes)."""
+    end = time.perf_counter() + settle
+    while time.perf_counter() < end:
+        f()
     busy0, own0 = cpu_seconds()
     t0 = time.perf_counter()
     calls = 0
@@ -107,10 +115,10 @@ class Case:
         self.w.dequantize(out=self.wf)
         np.dot(self.X, self.wf.T, out=self.Y)
 
-    def run(self, seconds: float) -> None:
+    def run(self, seconds: float, settle: float) -> None:
         """One batch of each call, kernel and baseline alternating."""
         for key, f in self.calls.items():
-            self.batches[key].append(batch(f, seconds))
+            self.batches[key].append(batch(f, seconds, settle))
 
     def seconds(self, key: str, max_foreign: float) -> tuple[float, int]:
         """Median seconds per call over clean batches (all if < 2 are clean), and clean count."""
@@ -138,10 +146,12 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
                    help="comma-separated NxK (default: the bundled model's shapes)")
     p.add_argument("--tokens", type=int, default=256, help="T for matmul (default: %(default)s)")
-    p.add_argument("--passes", type=int, default=5,
+    p.add_argument("--passes", type=int, default=4,
                    help="batches per call and case, one per pass (default: %(default)s)")
     p.add_argument("--batch", type=float, default=0.15,
                    help="minimum seconds per batch (default: %(default)s)")
+    p.add_argument("--settle", type=float, default=0.1,
+                   help="untimed seconds before each batch (default: %(default)s)")
     p.add_argument("--max-foreign", type=float, default=0.1,
                    help="CPU share other processes may use during a clean batch "
                         "(default: %(default)s)")
@@ -158,7 +168,7 @@ def main(argv=None) -> int:
     warm_up(1.5)
     for _ in range(args.passes):  # spread each case's batches over the whole benchmark
         for case in cases:
-            case.run(args.batch)
+            case.run(args.batch, args.settle)
     print(f"numba threads {args.threads}, matmul T={args.tokens}, median of batch means; "
           f"clean = batches with other processes under {args.max_foreign:.0%} of the CPUs")
     head = (f"{'format':6} {'N x K':>11} | {'matvec':>7} {'blas':>6} {'ratio':>5} | "

@@ -83,3 +83,13 @@ def test_validate_small(model, tmp_path):
                             cache_dir=tmp_path, progress=False)
     assert report.passed, report.table()
     assert report.telemetry["peak_resident_kv_bytes"] <= 1 << 20
+
+
+def test_greedy_generation_is_deterministic_run_to_run(model, tmp_path):
+    prompt = model.chat_prompt([{"role": "user", "content": "Name three colours."}])
+    first = model.generate(prompt, max_tokens=24)
+    fingerprint = model.last_telemetry["logits_sha256"]
+    assert model.generate(prompt, max_tokens=24) == first
+    assert model.last_telemetry["logits_sha256"] == fingerprint
+    budgeted = model.generate(prompt, max_tokens=24, kv_budget="512KiB", cache_dir=tmp_path)
+    assert budgeted == first and model.last_telemetry["logits_sha256"] == fingerprint
