@@ -25,7 +25,7 @@ from cfr_atlas.atlas.config import AtlasConfig
 from cfr_atlas.atlas.hot_cache import HotCache
 from cfr_atlas.atlas.pages import PageKey, first_page, page_count
 from cfr_atlas.atlas.policy import KeepAll
-from cfr_atlas.atlas.storage import StorageDtype, round_rows, widen
+from cfr_atlas.atlas.storage import StorageDtype, round_rows, stage_f32, widen
 from cfr_atlas.atlas.telemetry import Counters, Telemetry
 from cfr_atlas.errors import AtlasError, DimensionError, NumericError, PageError, RegeneratorError
 
@@ -395,13 +395,20 @@ class Atlas:
             raise RegeneratorError(key, f"{type(e).__name__}: {e}") from e
         finally:
             c.regen_seconds += time.perf_counter() - t0
-        if not (np.isfinite(k_out).all() and np.isfinite(v_out).all()):
-            raise NumericError("regenerated rows are not finite (or not fully written)", key)
-        k_st, v_st = round_rows(k_out, cfg.dtype), round_rows(v_out, cfg.dtype)
-        if _overflows(k_st, cfg.dtype) or _overflows(v_st, cfg.dtype):
-            raise NumericError(f"regenerated rows overflow {cfg.storage_dtype}", key)
-        self._scratch_k[slot, :, :n] = k_st.T
-        self._scratch_v[slot, :n] = v_st
+        bad = NumericError("regenerated rows are not finite (or not fully written)", key)
+        if cfg.dtype is StorageDtype.FLOAT32:  # rows are the stored values: check + place, once
+            if not stage_f32(k_out, v_out, self._scratch_k[slot, :, :n],
+                             self._scratch_v[slot, :n]):
+                raise bad
+            k_st, v_st = k_out, v_out
+        else:
+            if not (np.isfinite(k_out).all() and np.isfinite(v_out).all()):
+                raise bad
+            k_st, v_st = round_rows(k_out, cfg.dtype), round_rows(v_out, cfg.dtype)
+            if _overflows(k_st, cfg.dtype) or _overflows(v_st, cfg.dtype):
+                raise NumericError(f"regenerated rows overflow {cfg.storage_dtype}", key)
+            self._scratch_k[slot, :, :n] = k_st.T
+            self._scratch_v[slot, :n] = v_st
         c.regenerations += 1
         c.bytes_regenerated += n * cfg.row_bytes
         if cfg.admit_regenerated_pages and policy.admits(key, cfg.page_tokens, context):

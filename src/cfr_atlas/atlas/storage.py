@@ -95,3 +95,22 @@ def widen_into(stored, code, out):
                     bits[i, j] = bits[i, j] | sign
             else:
                 bits[i, j] = np.uint32(stored[i, j]) << np.uint32(16)
+
+
+@njit(cache=True)
+def stage_f32(k_rows, v_rows, kt_out, v_out):
+    """float32 storage: copy rows (n, D) into a scratch page, K transposed (D, n), V as rows;
+    returns False if any value is not finite (all-ones exponent), the caller then raises."""
+    n, d = k_rows.shape
+    kb, vb = k_rows.view(np.uint32), v_rows.view(np.uint32)
+    exp_mask = np.uint32(0x7F800000)
+    bad = np.uint32(0)
+    for j in range(n):
+        for e in range(d):  # an integer OR-reduction: vectorizes, and it is exact
+            bad |= np.uint32((kb[j, e] & exp_mask) == exp_mask)
+            bad |= np.uint32((vb[j, e] & exp_mask) == exp_mask)
+    for e in range(d):
+        for j in range(n):
+            kt_out[e, j] = k_rows[j, e]
+    v_out[:, :] = v_rows
+    return bad == 0

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from cfr_atlas.atlas.pages import PageKey
+from cfr_atlas.atlas.storage import StorageDtype, widen
 from cfr_atlas.errors import CapacityError, CorruptPageError
 from cfr_atlas.kv.block_dir import process_alive
 
@@ -195,10 +196,8 @@ class SpillKv:
             raise CorruptPageError(f"{key}: checksum mismatch in {self.path}")
 
     def _widen(self, raw: bytes, n: int) -> np.ndarray:
-        from cfr_atlas.atlas.storage import widen
-
         rows = np.frombuffer(raw, dtype=self.dtype.array_dtype).reshape(n, self.head_dim)
-        return widen(rows, self.dtype)
+        return rows if self.dtype is StorageDtype.FLOAT32 else widen(rows, self.dtype)
 
     def close(self) -> None:
         self._inflight.clear()
