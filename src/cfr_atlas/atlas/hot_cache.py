@@ -75,6 +75,11 @@ class HotCache:
         self.resident_bytes = 0
         self._journal: list[tuple] | None = None
         self._pending: list[tuple[int, int]] = []  # (layer, slot) evicted inside a transaction
+        # The ranking of resident pages by policy priority, valid while the set of resident
+        # pages (the epoch counts admissions and evictions), the policy, the context and, for
+        # policies that rank by recency, the call stay the same. Sizes are read live.
+        self._epoch = 0
+        self._ranked: tuple | None = None
 
     # --- lookups ---------------------------------------------------------------------------
     def layer(self, layer: int) -> _Layer:
@@ -110,6 +115,7 @@ class HotCache:
         self._journal = None
 
     def rollback(self) -> None:
+        self._epoch += 1
         for entry in reversed(self._journal or []):
             op, layer, head, page, slot, tokens, last_use = entry
             lay = self.layers[layer]
@@ -140,6 +146,7 @@ class HotCache:
 
     # --- mutators --------------------------------------------------------------------------
     def evict(self, key: PageKey) -> None:
+        self._epoch += 1
         lay = self.layers[key.layer]
         page = key.start_token // self.page_tokens
         slot, tokens = int(lay.slot[key.kv_head, page]), int(lay.tokens[key.kv_head, page])
@@ -154,7 +161,11 @@ class HotCache:
                   int(lay.last_use[key.kv_head, page]))
 
     def make_room(self, key: PageKey, nbytes: int, policy, context_tokens: int, tick: int) -> int:
-        """Evict lower-priority pages so `nbytes` more fit; -1 if impossible (nothing evicted)."""
+        """Evict lower-priority pages so `nbytes` more fit; -1 if impossible (nothing evicted).
+
+        Victims come from the key's own layer first (lowest priority first), then from any
+        layer; only pages of strictly lower priority than the incoming one may leave.
+        """
         lay = self.layer(key.layer)
         need_layer = lay.bytes + nbytes - self.layer_budget(key.layer)
         need_global = self.resident_bytes + nbytes - self.budget()
@@ -163,47 +174,58 @@ class HotCache:
         if nbytes > min(self.budget(), self.layer_budget(key.layer)):
             return -1
         incoming = policy.keep_priority(key, self.page_tokens, context_tokens, tick)
-        own = self._victims(key.layer, key, policy, context_tokens, incoming)
+        ranked = self._ranking(policy, context_tokens, tick)
+        if not ranked or not ranked[0][0] < incoming:  # nothing may leave for this page
+            return -1
+        eligible = [v for _, v in ranked if _ < incoming and v != key]
         chosen, freed = [], 0
-        for _, victim, size in own:
+        for victim in eligible:
             if freed >= max(need_layer, need_global):
                 break
-            chosen.append(victim)
-            freed += size
+            if victim.layer == key.layer:
+                chosen.append(victim)
+                freed += self._size(victim)
         if freed < need_layer:
             return -1
-        if freed < need_global:
-            others = sorted(v for layer, other in self.layers.items()
-                            if layer != key.layer and other.bytes
-                            for v in self._victims(layer, key, policy, context_tokens, incoming))
-            for _, victim, size in others:
-                if freed >= need_global:
-                    break
+        for victim in eligible:
+            if freed >= need_global:
+                break
+            if victim.layer != key.layer:
                 chosen.append(victim)
-                freed += size
-            if freed < need_global:
-                return -1
+                freed += self._size(victim)
+        if freed < need_global:
+            return -1
         for victim in chosen:
             self.evict(victim)
         return len(chosen)
 
-    def _victims(self, layer: int, protect: PageKey, policy, context_tokens: int, incoming):
-        lay = self.layers[layer]
-        heads, pages = np.nonzero(lay.slot >= 0)
-        out = []
-        for h, p in zip(heads.tolist(), pages.tolist(), strict=True):
-            key = PageKey(layer, h, p * self.page_tokens)
-            if key == protect:
-                continue
-            prio = policy.keep_priority(key, self.page_tokens, context_tokens,
-                                        int(lay.last_use[h, p]))
-            if prio < incoming:
-                out.append((prio, key, int(lay.tokens[h, p]) * self.row_bytes))
-        out.sort()
-        return out
+    def _ranking(self, policy, context_tokens: int, tick: int) -> list:
+        """Every resident page as (priority, key, bytes), lowest priority first; rebuilt only
+        when residency, the policy, the context or the call changed (a fold that keeps
+        rejecting admissions pays for one ranking, not one per page)."""
+        recency = getattr(policy, "ranks_by_recency", True)
+        state = (self._epoch, id(policy), context_tokens, tick if recency else None)
+        if self._ranked is None or self._ranked[0] != state:
+            out = []
+            for layer, lay in self.layers.items():
+                if not lay.bytes:
+                    continue
+                heads, pages = np.nonzero(lay.slot >= 0)
+                for h, p in zip(heads.tolist(), pages.tolist(), strict=True):
+                    key = PageKey(layer, h, p * self.page_tokens)
+                    prio = policy.keep_priority(key, self.page_tokens, context_tokens,
+                                                int(lay.last_use[h, p]))
+                    out.append((prio, key))
+            out.sort()
+            self._ranked = (state, out)
+        return self._ranked[1]
+
+    def _size(self, key: PageKey) -> int:
+        return self.page_state(key)[1] * self.row_bytes
 
     def admit(self, key: PageKey, k_rows: np.ndarray, v_rows: np.ndarray, tick: int) -> None:
         """Copy rows (n, D) in storage dtype into a fresh slot; room must have been made."""
+        self._epoch += 1
         lay = self.layer(key.layer)
         page = key.start_token // self.page_tokens
         lay.ensure_table(key.kv_head + 1, page + 1)
@@ -239,6 +261,7 @@ class HotCache:
         return int(lay.slot[key.kv_head, page]), int(lay.tokens[key.kv_head, page])
 
     def clear(self) -> None:
+        self._epoch += 1
         self.layers.clear()
         self.resident_bytes = 0
         self._pending.clear()

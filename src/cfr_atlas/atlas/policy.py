@@ -5,6 +5,8 @@ A policy is a strategy object with two methods:
 - `admits(key, page_tokens, context_tokens) -> bool`: should this page be resident at all?
 - `keep_priority(key, page_tokens, context_tokens, last_use) -> tuple`: higher stays longer;
   the cache evicts the lowest first, and never evicts a page for one of lower priority.
+  A policy whose priority ignores `last_use` says so with `ranks_by_recency = False`, so the
+  cache may keep its ranking across calls.
 
 Policies decide cost and residency only. The runtime folds every causal page whatever the
 policy says, so no policy can change a result. Nothing here touches arrays.
@@ -30,6 +32,8 @@ def _in_recent(key: PageKey, page_tokens: int, context_tokens: int, recent: int)
 @dataclass(frozen=True)
 class NeverAdmit:
     """Nothing stays hot: every page is regenerated on every call."""
+
+    ranks_by_recency = False
 
     def admits(self, key: PageKey, page_tokens: int, context_tokens: int) -> bool:
         return False
@@ -59,6 +63,7 @@ class KeepRecent:
     """Pages overlapping the last `recent_tokens` tokens stay hot; older pages leave first."""
 
     recent_tokens: int
+    ranks_by_recency = False
 
     def __post_init__(self):
         _check_tokens("recent_tokens", self.recent_tokens)
@@ -79,6 +84,7 @@ class KeepSinksAndRecent:
 
     sink_tokens: int
     recent_tokens: int
+    ranks_by_recency = False
 
     def __post_init__(self):
         _check_tokens("sink_tokens", self.sink_tokens)
