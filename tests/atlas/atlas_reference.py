@@ -132,13 +132,14 @@ def synthetic(head_dim: int, n_layers: int = 2, n_kv_heads: int = 3, seed: int =
 
 
 def cache_state(atlas: Atlas) -> dict:
-    """The logical hot-cache state: {(layer, head, page): (slot, tokens, K rows, V rows)} plus
-    the accounting. Comparable with == before and after a failed call."""
+    """The logical hot-cache state: {(layer, head, page): (slot, tokens, last use, K rows,
+    V rows)} plus the accounting. Comparable with == before and after a failed call."""
     cache, pages = atlas.cache, {}
     for layer_id, lay in cache.layers.items():
         for h, p in zip(*np.nonzero(lay.slot >= 0), strict=True):
             slot, n = int(lay.slot[h, p]), int(lay.tokens[h, p])
-            pages[(layer_id, int(h), int(p))] = (slot, n, lay.k[slot, :, :n].tobytes(),
+            pages[(layer_id, int(h), int(p))] = (slot, n, int(lay.last_use[h, p]),
+                                                 lay.k[slot, :, :n].tobytes(),
                                                  lay.v[slot, :n].tobytes())
     per_layer = {layer_id: lay.bytes for layer_id, lay in cache.layers.items()}
     return {"pages": pages, "resident_bytes": cache.resident_bytes,

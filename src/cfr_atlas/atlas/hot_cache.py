@@ -15,8 +15,9 @@ Invariants (checked by the stateful test):
 
 Transactions: `begin()` opens a journal. Evicted slots go to a pending list instead of the
 free list, so their rows survive until `commit()`; `rollback()` replays the journal backwards,
-restoring the tables and accounting exactly. The slab grows (never beyond what the budget can
-hold, plus the pending slots of one call); it is a ceiling, not a preallocation.
+restoring all three tables (recency included) and the accounting exactly. The slab grows
+(never beyond what the budget can hold, plus the pending slots of one call); it is a ceiling,
+not a preallocation.
 No timing or telemetry code lives here: mutators return counts, the runtime records them.
 """
 
@@ -114,9 +115,21 @@ class HotCache:
         self._pending.clear()
         self._journal = None
 
+    def touch(self, layer: int, heads: np.ndarray, lo: int, hot: np.ndarray, tick: int) -> None:
+        """Mark the hot pages lo.. of `heads` used at `tick` (journaled, so undone on rollback)."""
+        used = self.layers[layer].last_use[:, lo:lo + hot.shape[1]]
+        before = used[heads]
+        if self._journal is not None:
+            self._journal.append(("touch", layer, heads, lo, before, 0, 0))
+        used[heads] = np.where(hot, tick, before)
+
     def rollback(self) -> None:
         self._epoch += 1
         for entry in reversed(self._journal or []):
+            if entry[0] == "touch":
+                _, layer, heads, lo, before, _, _ = entry
+                self.layers[layer].last_use[:, lo:lo + before.shape[1]][heads] = before
+                continue
             op, layer, head, page, slot, tokens, last_use = entry
             lay = self.layers[layer]
             nbytes = tokens * self.row_bytes

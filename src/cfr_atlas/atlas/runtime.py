@@ -336,8 +336,7 @@ class Atlas:
         for hi, pi in zip(*np.nonzero((slots >= 0) & ~hot), strict=True):  # stale partial pages
             self.cache.evict(PageKey(layer, heads[hi], int(starts[pi])))
             c.evictions += 1
-        used = lay.last_use[:, lo:n_pages]
-        used[hidx] = np.where(hot, self._tick, used[hidx])
+        self.cache.touch(layer, hidx, lo, hot, self._tick)
 
         prefetch = getattr(backend, "prefetch", None)
         if prefetch is not None and not hot.all():  # a hint: the misses, in fold order
