@@ -159,7 +159,10 @@ class HotCache:
 
     # --- mutators --------------------------------------------------------------------------
     def evict(self, key: PageKey) -> None:
-        self._epoch += 1
+        self._epoch += 1  # the cached ranking no longer lists the resident pages
+        self._evict(key)
+
+    def _evict(self, key: PageKey) -> None:
         lay = self.layers[key.layer]
         page = key.start_token // self.page_tokens
         slot, tokens = int(lay.slot[key.kv_head, page]), int(lay.tokens[key.kv_head, page])
@@ -176,8 +179,8 @@ class HotCache:
     def make_room(self, key: PageKey, nbytes: int, policy, context_tokens: int, tick: int) -> int:
         """Evict lower-priority pages so `nbytes` more fit; -1 if impossible (nothing evicted).
 
-        Victims come from the key's own layer first (lowest priority first), then from any
-        layer; only pages of strictly lower priority than the incoming one may leave.
+        Only pages of strictly lower priority than the incoming one may leave, lowest first.
+        A layer over its own budget gives up its own pages; the global budget takes any layer's.
         """
         lay = self.layer(key.layer)
         need_layer = lay.bytes + nbytes - self.layer_budget(key.layer)
@@ -188,29 +191,32 @@ class HotCache:
             return -1
         incoming = policy.keep_priority(key, self.page_tokens, context_tokens, tick)
         ranked = self._ranking(policy, context_tokens, tick)
-        if not ranked or not ranked[0][0] < incoming:  # nothing may leave for this page
-            return -1
-        eligible = [v for _, v in ranked if _ < incoming and v != key]
-        chosen, freed = [], 0
-        for victim in eligible:
-            if freed >= max(need_layer, need_global):
-                break
-            if victim.layer == key.layer:
-                chosen.append(victim)
-                freed += self._size(victim)
-        if freed < need_layer:
-            return -1
-        for victim in eligible:
-            if freed >= need_global:
-                break
-            if victim.layer != key.layer:
-                chosen.append(victim)
-                freed += self._size(victim)
+        chosen, freed = [], 0  # (position in ranked, key)
+        if need_layer > 0:
+            freed = self._pick(ranked, incoming, key, need_layer, chosen, key.layer)
+            if freed < need_layer:
+                return -1
         if freed < need_global:
-            return -1
-        for victim in chosen:
-            self.evict(victim)
+            freed = self._pick(ranked, incoming, key, need_global, chosen, None, freed)
+            if freed < need_global:
+                return -1
+        for i, victim in sorted(chosen, reverse=True):
+            del ranked[i]  # the ranking stays valid: only these members left
+            self._evict(victim)
         return len(chosen)
+
+    def _pick(self, ranked, incoming, protect, need, chosen, layer, freed=0) -> int:
+        """Add ranked pages (lowest first, of `layer` if given) to `chosen` until `need` bytes
+        are freed or the priorities reach `incoming`; returns the bytes freed so far."""
+        taken = {i for i, _ in chosen}
+        for i, (prio, victim) in enumerate(ranked):
+            if freed >= need or not prio < incoming:
+                break
+            if i in taken or victim == protect or (layer is not None and victim.layer != layer):
+                continue
+            chosen.append((i, victim))
+            freed += self._size(victim)
+        return freed
 
     def _ranking(self, policy, context_tokens: int, tick: int) -> list:
         """Every resident page as (priority, key, bytes), lowest priority first; rebuilt only
