@@ -77,12 +77,11 @@ def theirs(path, prompt_lens, decode_after, repeats: int, decode_tokens: int, th
             times.append(time.perf_counter() - t0)
         out[f"prefill {n}"] = n / statistics.median(times)
     for ctx in decode_after:
-        ids = _text_ids(model, ctx).tolist()
+        ids = _text_ids(model, ctx + decode_tokens).tolist()  # decode feeds the text's next ids
         llm.reset()
-        llm.eval(ids)
+        llm.eval(ids[:ctx])
         times = []
-        for _ in range(decode_tokens):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        for tok in ids[ctx:]:
             t0 = time.perf_counter()
             llm.eval([tok])
             times.append(time.perf_counter() - t0)
