@@ -152,6 +152,14 @@ def _added(tokens: Sequence[str], types: Sequence[int], kind: TokenType, special
     return [AddedToken(tokens[i], special=special, normalized=False) for i in _ids_of(types, kind)]
 
 
+def _not_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at {e.start}"
+    return "could not be tokenized"
+
+
 def _resolve_pre(name: str | None) -> tuple[str, PreTokenizer]:
     if name in PRE_TOKENIZERS:
         return name, PRE_TOKENIZERS[name]
@@ -256,7 +264,11 @@ class Tokenizer:
         if not isinstance(text, str):
             raise ConfigError("text", f"must be str, got {type(text).__name__}")
         hf = self._hf if special else self._hf_text
-        return self.wrap(hf.encode(text, add_special_tokens=False).ids, add_bos, add_eos)
+        try:
+            ids = hf.encode(text, add_special_tokens=False).ids
+        except TypeError:  # `tokenizers` refuses str that is not valid Unicode
+            raise ConfigError("text", _not_unicode(text)) from None
+        return self.wrap(ids, add_bos, add_eos)
 
     def wrap(self, ids: list[int], add_bos: bool | None = None,
              add_eos: bool | None = None) -> list[int]:
