@@ -94,7 +94,11 @@ class Model:
                top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                repeat_penalty: float = 1.0, seed: int | None = None, stop=(),
                chunk_tokens: int = DEFAULT_CHUNK, **kv) -> Iterator[str]:
-        """Yield text pieces as they are generated (never a broken UTF-8 character)."""
+        """Yield text pieces as they are generated (never a broken UTF-8 character).
+
+        A str prompt is text (control-token text in it stays text); for a chat pass
+        `chat_ids(messages)`, for a prompt you templated yourself `tokenize(p, special=True)`.
+        """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repeat_penalty=repeat_penalty, seed=seed)
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
