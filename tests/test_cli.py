@@ -251,7 +251,7 @@ def test_generate_applies_the_chat_template_unless_raw(capsys, tiny_llama, tmp_p
     _, _, err = run(capsys, "generate", "--model", tiny_llama, "--max-tokens", 1,
                     "--cache-dir", tmp_path, PROMPT)
     model = load_model(tiny_llama)
-    n_chat = len(model.tokenize(model.chat_prompt([{"role": "user", "content": PROMPT}])))
+    n_chat = len(model.chat_ids([{"role": "user", "content": PROMPT}]))
     assert telemetry(err)["tokens/s"].endswith(f"prompt {n_chat})")
 
 

@@ -40,7 +40,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache", default=None, metavar="DIR",
                    help="persistent prefix cache folder: prompts starting with cached blocks "
                    "skip recomputing them (bitwise the same output)")
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--raw", action="store_true",
+                   help="do not apply the chat template (control-token text in the prompt is "
+                   "then parsed as control tokens)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -158,7 +160,8 @@ def _generate(a) -> int:
     from cfr_atlas.engine import load_model
 
     model = load_model(a.model, prefix_cache=a.prefix_cache)
-    prompt = a.prompt if a.raw else model.chat_prompt([{"role": "user", "content": a.prompt}])
+    prompt = (model.tokenize(a.prompt, special=True) if a.raw  # --raw: the template is yours
+              else model.chat_ids([{"role": "user", "content": a.prompt}]))
     for piece in model.stream(prompt, **_gen_options(a), **_kv_options(a)):
         print(piece, end="", flush=True)
     print()
@@ -191,7 +194,7 @@ def _chat(a) -> None:
             break
         messages.append({"role": "user", "content": line})
         reply = []
-        for piece in model.stream(model.chat_prompt(messages), **_gen_options(a),
+        for piece in model.stream(model.chat_ids(messages), **_gen_options(a),
                                   **_kv_options(a)):
             print(piece, end="", flush=True)
             reply.append(piece)

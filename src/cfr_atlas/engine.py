@@ -50,8 +50,10 @@ class Model:
         self.last_telemetry: dict = {}
 
     # --- text ------------------------------------------------------------------------------
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
+        """Text -> ids. Control-token text in `text` stays text unless `special=True` (for a
+        prompt you templated yourself: then `<|im_start|>` becomes the control token)."""
+        return self.tokenizer.encode(text, special=special)
 
     def detokenize(self, ids) -> str:
         return self.tokenizer.decode(list(ids))
@@ -85,15 +87,18 @@ class Model:
         with _closing(self.session(**kv)) as s:
             h = np.concatenate([self.net.forward_chunk(s, ids[a:a + DEFAULT_CHUNK], hidden=True)
                                 for a in range(0, len(ids), DEFAULT_CHUNK)])
-        v = h.astype(np.float64).mean(axis=0)
-        return (v / max(np.linalg.norm(v), 1e-12)).astype(np.float32)
+        return mean_pool(h)
 
     # --- generation ------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], *, max_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                repeat_penalty: float = 1.0, seed: int | None = None, stop=(),
                chunk_tokens: int = DEFAULT_CHUNK, **kv) -> Iterator[str]:
-        """Yield text pieces as they are generated (never a broken UTF-8 character)."""
+        """Yield text pieces as they are generated (never a broken UTF-8 character).
+
+        A str prompt is text (control-token text in it stays text); for a chat pass
+        `chat_ids(messages)`, for a prompt you templated yourself `tokenize(p, special=True)`.
+        """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repeat_penalty=repeat_penalty, seed=seed)
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -130,11 +135,23 @@ class Model:
         return "".join(self.stream(prompt, **kw))
 
     def chat_prompt(self, messages) -> str:
+        """The rendered chat template, for display; tokenize messages with `chat_ids`."""
         return self.chat_template.render(messages, add_generation_prompt=True)
+
+    def chat_ids(self, messages) -> list[int]:
+        """Prompt ids of a chat: the template's literals are control tokens, the messages'
+        text is text (a message cannot forge `<|im_start|>system`)."""
+        return self.chat_template.encode(self.tokenizer, messages, add_generation_prompt=True)
 
     def chat(self, messages, **kw) -> str:
         """Reply to a list of {"role", "content"} messages using the GGUF's chat template."""
-        return self.generate(self.chat_prompt(messages), **kw)
+        return self.generate(self.chat_ids(messages), **kw)
+
+
+def mean_pool(hidden: np.ndarray) -> np.ndarray:
+    """Final hidden states (T, dim) -> their mean in float64, L2-normalized, as float32."""
+    v = hidden.astype(np.float64).mean(axis=0)
+    return (v / max(np.linalg.norm(v), 1e-12)).astype(np.float32)
 
 
 class _closing:

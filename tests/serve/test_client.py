@@ -77,7 +77,7 @@ def test_topology_needs_the_core_keys():
 
 
 def test_generate_chat_embed(client, reference):
-    prompt = reference.chat_prompt([{"role": "user", "content": "hello"}])
+    prompt = reference.chat_ids([{"role": "user", "content": "hello"}])
     expected = reference.generate(prompt, max_tokens=N)
     done = client.generate(MODEL, "hello", options={"num_predict": N})
     assert done.text == expected and done.stats.eval_count > 0

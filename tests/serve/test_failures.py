@@ -4,6 +4,7 @@ it, the sequence released, and the server serving the next request."""
 from __future__ import annotations
 
 import json
+import logging
 
 import httpx
 import pytest
@@ -48,12 +49,29 @@ def test_error_mid_stream_is_the_last_line(flaky):
     assert stats.failed == 1
 
 
-def test_bug_before_first_token_is_a_500_and_the_server_lives_on(flaky):
+def test_bug_mid_stream_is_a_generic_last_line(flaky):
     server, plan = flaky
-    _arm(plan, 0, RuntimeError("a bug"))
-    r = httpx.post(server.url + "/v1/completions", timeout=30,
-                   json={"model": MODEL, "prompt": "hello", "max_tokens": 4})
-    assert r.status_code == 500 and "a bug" in r.json()["error"]["message"]
+    _arm(plan, 4, ValueError("internal detail 0xdeadbeef"))
+    body = {"model": MODEL, "prompt": "hello", "raw": True, "options": {"num_predict": 50}}
+    with httpx.stream("POST", server.url + "/api/generate", json=body, timeout=30) as r:
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert "request id" in lines[-1]["error"] and "deadbeef" not in lines[-1]["error"]
+    server.wait_for(lambda s: s.active == 0, what="release")
+    plan["at"] = None
+
+
+def test_bug_before_first_token_is_a_generic_500_and_the_server_lives_on(flaky, caplog):
+    server, plan = flaky
+    _arm(plan, 0, RuntimeError("a bug at /secret/path"))
+    with caplog.at_level(logging.ERROR, logger="cfr_atlas.serve"):
+        r = httpx.post(server.url + "/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "hello", "max_tokens": 4})
+    message = r.json()["error"]["message"]
+    request_id = r.headers["x-request-id"]
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "secret" not in message and "a bug" not in message and request_id in message
+    logged = [rec for rec in caplog.records if request_id in rec.getMessage()]
+    assert logged and "a bug at /secret/path" in str(logged[0].exc_info[1])
     plan["at"] = None
     r = httpx.post(server.url + "/v1/completions", timeout=30,
                    json={"model": MODEL, "prompt": "hello", "max_tokens": 4})

@@ -28,13 +28,13 @@ def test_models(client):
 
 
 def test_chat_completion_equals_engine(client, reference):
-    expected = reference.generate(reference.chat_prompt(MESSAGES), max_tokens=N)
+    expected = reference.generate(reference.chat_ids(MESSAGES), max_tokens=N)
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=N,
                                        temperature=0)
     (choice,) = r.choices
     assert choice.message.role == "assistant" and choice.message.content == expected
     assert choice.finish_reason in ("stop", "length")
-    n_prompt = len(reference.tokenize(reference.chat_prompt(MESSAGES)))
+    n_prompt = len(reference.chat_ids(MESSAGES))
     assert r.usage.prompt_tokens == n_prompt
     assert r.usage.total_tokens == n_prompt + r.usage.completion_tokens
     assert r.usage.prompt_tokens_details.cached_tokens == 0
@@ -42,7 +42,7 @@ def test_chat_completion_equals_engine(client, reference):
 
 
 def test_chat_completion_stream_with_usage(client, reference):
-    expected = reference.generate(reference.chat_prompt(MESSAGES), max_tokens=N)
+    expected = reference.generate(reference.chat_ids(MESSAGES), max_tokens=N)
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_completion_tokens=N, stream=True,
         stream_options={"include_usage": True}))
@@ -59,7 +59,7 @@ def test_chat_content_parts(client, reference):
                                           {"type": "text", "text": "a city."}]}]
     r = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=N)
     expected = reference.generate(
-        reference.chat_prompt([{"role": "user", "content": "Name a city."}]), max_tokens=N)
+        reference.chat_ids([{"role": "user", "content": "Name a city."}]), max_tokens=N)
     assert r.choices[0].message.content == expected
 
 

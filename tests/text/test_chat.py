@@ -18,7 +18,9 @@ def test_smollm_template_adds_default_system_prompt(smollm, smollm_reader):
         f"<|im_start|>system\n{SMOL_SYSTEM}<|im_end|>\n"
         "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert smollm.encode(text)[0] == 1 and smollm.encode(text).count(2) == 2
+    ids = smollm.encode(text, special=True)
+    assert ids[0] == 1 and ids.count(2) == 2
+    assert chat.encode(smollm, [{"role": "user", "content": "Hi!"}]) == ids
 
 
 def test_smollm_template_keeps_given_system_and_no_generation_prompt(smollm, smollm_reader):

@@ -17,11 +17,11 @@ from cfr_atlas.text import PRE_TOKENIZERS, Tokenizer
 def test_merges_and_control_tokens(tiny):
     hello, world = tiny.encode("hello"), tiny.encode(" world")
     assert [tiny.id_to_token(i) for i in hello + world] == ["hello", "Ġworld"]
-    assert tiny.encode("<|im_start|>hello world<|im_end|>") == [1, *hello, *world, 2]
+    assert tiny.encode("<|im_start|>hello world<|im_end|>", special=True) == [1, *hello, *world, 2]
 
 
 def test_user_defined_token_is_one_id_and_survives_skip_special(tiny):
-    ids = tiny.encode("<|im_start|>a<tool>b<|im_end|>")
+    ids = tiny.encode("<|im_start|>a<tool>b<|im_end|>", special=True)
     assert len(ids) == 5 and tiny.id_to_token(ids[2]) == "<tool>"
     assert tiny.decode(ids) == "<|im_start|>a<tool>b<|im_end|>"
     assert tiny.decode(ids, skip_special=True) == "a<tool>b"
@@ -127,8 +127,9 @@ def test_smollm_metadata(smollm):
 
 
 def test_smollm_special_tokens_are_single_ids(smollm):
-    assert smollm.encode("<|im_start|>") == [1]
-    assert smollm.encode("<|im_start|>user\nHi<|im_end|>\n") == [1, 4093, 198, 26843, 2, 198]
+    assert smollm.encode("<|im_start|>", special=True) == [1]
+    ids = smollm.encode("<|im_start|>user\nHi<|im_end|>\n", special=True)
+    assert ids == [1, 4093, 198, 26843, 2, 198]
     assert smollm.is_control(1) and not smollm.is_control(4093)
     assert smollm.decode([1, 4093, 2], skip_special=True) == "user"
 
@@ -157,8 +158,8 @@ def test_tiny_gguf_file_from_the_testing_package(tiny_llama):
 
     tok = Tokenizer.from_gguf(GGUFReader(tiny_llama))
     text = "<|im_start|>user\nThe capital of France is Paris.<|im_end|>\n"
-    ids = tok.encode(text)
-    assert ids[0] == tok.encode("<|im_start|>")[0] and tok.decode(ids) == text
+    ids = tok.encode(text, special=True)
+    assert ids[0] == tok.encode("<|im_start|>", special=True)[0] and tok.decode(ids) == text
     assert len(ids) < len(text.encode()) and tok.eos_id in tok.eos_ids
 
 

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from cfr_atlas.serve import metrics, ollama_api, openai_api
+from cfr_atlas.serve.http import internal, ollama_error, openai_error
 from cfr_atlas.serve.service import ServerConfig, Service
 
 log = logging.getLogger("cfr_atlas.serve")
@@ -46,6 +47,12 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return JSONResponse(body, exc.status_code, headers=exc.headers)
 
 
+async def _server_error(request: Request, exc: Exception) -> Response:
+    """Outside any handler (middleware, routing): the same generic 500 with a request id."""
+    exc = internal(exc, f"{request.method} {request.url.path}")
+    return (openai_error if request.url.path.startswith("/v1/") else ollama_error)(exc)
+
+
 def create_app(model, config: ServerConfig | None = None) -> Starlette:
     """The ASGI app serving `model` (a loaded `cfr_atlas.engine.Model`)."""
     config = config or ServerConfig()
@@ -64,7 +71,8 @@ def create_app(model, config: ServerConfig | None = None) -> Starlette:
 
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(metrics.RequestCounter, counts=counts)],
-                    exception_handlers={HTTPException: _http_error})
+                    exception_handlers={HTTPException: _http_error,
+                                        Exception: _server_error})
     app.state.service = service
     app.state.counts = counts
     return app

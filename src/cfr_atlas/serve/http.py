@@ -1,9 +1,12 @@
 """HTTP plumbing shared by both APIs: JSON bodies, error responses, disconnects, streaming.
 
-  * `read_json` reads at most `limit` bytes and insists on a JSON object.
+  * `read_json` reads at most `limit` bytes and insists on a JSON object nested at most
+    MAX_DEPTH levels (deeper, or too deep for Python's parser, is a 400).
   * `error_status` maps our typed errors to HTTP: unknown model 404, full queue 429 (with
     Retry-After), anything else the client caused 400, a failed K/V page 500 — always with
-    the error's own message. `ollama_error` / `openai_error` give each API's error shape.
+    the error's own message. Any other exception is a bug: the client gets a 500 saying only
+    "internal error" and a request id; the traceback goes to the server log under that id.
+    `ollama_error` / `openai_error` give each API's error shape.
   * `until_done` awaits a job while watching the connection: a client that goes away gets
     its job cancelled (the scheduler then releases its session) instead of running on.
 It holds no route and no response shape beyond errors.
@@ -15,6 +18,7 @@ import asyncio
 import functools
 import json
 import logging
+import uuid
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -29,6 +33,25 @@ from cfr_atlas.errors import (
 )
 
 log = logging.getLogger("cfr_atlas.serve")
+MAX_DEPTH = 64  # nesting of arrays / objects in a request body
+
+
+class InternalError(Exception):
+    """What the client learns of a bug: a request id to quote, nothing of the internals."""
+
+    def __init__(self, request_id: str):
+        super().__init__(f"internal server error (request id {request_id}); the details are in "
+                         "the server log")
+        self.request_id = request_id
+
+
+def internal(exc: Exception, what: str) -> Exception:
+    """Typed errors pass through; anything else is logged with a fresh id -> InternalError."""
+    if isinstance(exc, AtlasError | InternalError):
+        return exc
+    request_id = uuid.uuid4().hex[:16]
+    log.error("request %s: %s failed", request_id, what, exc_info=exc)
+    return InternalError(request_id)
 
 
 class ClientGone(Exception):
@@ -45,11 +68,26 @@ async def read_json(request: Request, limit: int) -> dict:
         raise ConfigError("body", "is empty; send a JSON object")
     try:
         value = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError("body", f"is not valid JSON ({e})") from None
+    except RecursionError:
+        raise ConfigError("body", f"nests arrays / objects deeper than {MAX_DEPTH} levels") \
+            from None
+    except ValueError as e:  # JSONDecodeError, bad UTF-8, an integer of over 4300 digits
+        raise ConfigError("body", f"is not valid JSON ({str(e)[:200]})") from None
     if not isinstance(value, dict):
         raise ConfigError("body", f"must be a JSON object, got {type(value).__name__}")
+    _check_depth(value)
     return value
+
+
+def _check_depth(value) -> None:
+    """Refuse bodies nested deeper than MAX_DEPTH (level by level: no recursion to exhaust)."""
+    level, depth = [value], 1
+    while level:
+        if depth > MAX_DEPTH:
+            raise ConfigError("body", f"nests arrays / objects deeper than {MAX_DEPTH} levels")
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c)
+                 if isinstance(v, dict | list)]
+        depth += 1
 
 
 def error_status(exc: Exception) -> int:
@@ -63,6 +101,8 @@ def error_status(exc: Exception) -> int:
 
 
 def _headers(exc: Exception) -> dict:
+    if isinstance(exc, InternalError):
+        return {"X-Request-Id": exc.request_id}
     return {"Retry-After": str(exc.retry_after)} if isinstance(exc, QueueFullError) else {}
 
 
@@ -130,11 +170,8 @@ def endpoint(render_error):
                 return await handler(request)
             except (ClientGone, ClientDisconnect):
                 return Response(status_code=499)  # nobody reads it; nginx's "client closed"
-            except AtlasError as exc:
-                return render_error(exc)
-            except Exception as exc:
-                log.exception("%s %s failed", request.method, request.url.path)
-                return render_error(exc)
+            except Exception as exc:  # typed: its own message; a bug: an id, logged
+                return render_error(internal(exc, f"{request.method} {request.url.path}"))
         return run
     return wrap
 
@@ -157,9 +194,8 @@ async def stream(request: Request, handle, render, render_error, media_type: str
                     return
                 event = await handle.next_event()
         except Exception as exc:  # typed or not, the client gets a last line saying so
-            if not isinstance(exc, AtlasError):
-                log.exception("%s %s failed mid-stream", request.method, request.url.path)
-            yield render_error(exc)
+            yield render_error(internal(exc, f"{request.method} {request.url.path} "
+                                             "mid-stream"))
         finally:
             handle.cancel()  # a no-op once the job has ended
 

@@ -2,7 +2,9 @@
 
 A job is stepped by the scheduler's worker thread until `step()` returns True, then released
 once. A `GenerationJob` prefills its prompt one chunk per step (so other streams keep moving
-during a long prefill), then decodes one token per step through `generate_steps`. Results go
+during a long prefill), then decodes one token per step through `generate_steps`. An
+`EmbeddingJob` also runs one chunk of DEFAULT_CHUNK tokens per step, so a long input delays the
+other streams by one chunk at a time, with the result bitwise `Model.embedding`'s. Results go
 to the event loop through the job's `Channel` as ("text", str), ("done", outcome) or
 ("error", exception). This module knows nothing of HTTP, JSON or queues.
 """
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cfr_atlas.engine import mean_pool
 from cfr_atlas.generate import DEFAULT_CHUNK, generate_steps, prefill
 from cfr_atlas.sampling import SamplingParams
 from cfr_atlas.serve.stops import StopText
@@ -196,23 +199,58 @@ class GenerationJob(Job):
 
 
 class EmbeddingJob(Job):
-    """Embeds its inputs one per step with `Model.embedding`."""
+    """Embeds its inputs in turn, one chunk of DEFAULT_CHUNK tokens per step.
 
-    def __init__(self, model, inputs: list[list[int]], channel: Channel):
+    Each input gets its own Session (`session_kw`: the request's K/V budget, cache salt) and
+    is split exactly as `Model.embedding` splits it; the pooled vector is `mean_pool` of the
+    same hidden states, so it is bitwise the same.
+    """
+
+    def __init__(self, model, inputs: list[list[int]], channel: Channel,
+                 session_kw: dict | None = None):
         super().__init__(channel)
         self.model, self.inputs = model, inputs
+        self.session_kw = session_kw or {}
         self.vectors: list[np.ndarray] = []
+        self._session = None
+        self._hidden: list[np.ndarray] = []
         self._seconds = 0.0
 
     def step(self) -> bool:
         t0 = time.perf_counter()
-        self.vectors.append(self.model.embedding(self.inputs[len(self.vectors)]))
+        self._advance()
         self._seconds += time.perf_counter() - t0
         if len(self.vectors) < len(self.inputs):
             return False
         n = sum(len(ids) for ids in self.inputs)
         self.channel.put("done", EmbedOutcome(self.vectors, n, self._seconds))
         return True
+
+    def _advance(self) -> None:
+        """One chunk of the current input; pool and close its session after the last."""
+        ids = np.asarray(self.inputs[len(self.vectors)], dtype=np.int64)
+        if self._session is None:
+            self._session = self.model.session(**self.session_kw)
+        a = self._session.n_tokens
+        self._hidden.append(self.model.net.forward_chunk(
+            self._session, ids[a:a + DEFAULT_CHUNK], hidden=True))
+        if self._session.n_tokens < len(ids):
+            return
+        self.vectors.append(mean_pool(np.concatenate(self._hidden)))
+        self._hidden = []
+        self.release()
+
+    def release(self) -> None:
+        if self._session is not None:
+            self._session.close()  # removes the page file
+            self._session.atlas.reset()  # drops every resident K/V page
+            self._session = None
+
+    def kv_stats(self) -> tuple[int, int, int]:
+        if self._session is None:
+            return 0, 0, 0
+        t = self._session.atlas.telemetry()
+        return t.resident_bytes, t.total.hot_hits, t.total.regenerations
 
     def token_counts(self) -> tuple[int, int]:
         return sum(len(ids) for ids in self.inputs[:len(self.vectors)]), 0

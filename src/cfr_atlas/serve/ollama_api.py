@@ -27,7 +27,9 @@ from cfr_atlas.serve.params import (
     get_dimensions,
     get_object,
     get_str,
+    kv_budget,
     ollama_options,
+    ollama_salt,
     refuse,
 )
 from cfr_atlas.serve.service import Handle, Service, shrink
@@ -103,8 +105,8 @@ async def generate(request: Request) -> Response:
     if not prompt:  # Ollama's way to (pre)load a model
         return JSONResponse({"model": name, "created_at": _now(), "response": "",
                              "done": True, "done_reason": "load"})
-    if raw:
-        ids = service.tokenize(prompt)
+    if raw:  # the client's own template: control-token text is parsed (docs/SERVING.md)
+        ids = service.tokenize(prompt, special=True)
     else:
         messages = ([{"role": "system", "content": system}] if system else [])
         ids = service.chat_ids(messages + [{"role": "user", "content": prompt}])
@@ -134,9 +136,9 @@ async def embed(request: Request) -> Response:
     service, body, name = await _request(request)
     inputs = embed_inputs(body, "input", token_ids=False)
     get_bool(body, "truncate", True)  # accepted, but a too-long input is always a 400
-    get_object(body, "options")
+    budget = kv_budget(get_object(body, "options"), "options.")
     dims = get_dimensions(body, service.model.config.dim)
-    handle = service.start_embedding(inputs)
+    handle = service.start_embedding(inputs, budget, ollama_salt(body))
     _, outcome = await until_done(request, handle, handle.result())
     return JSONResponse({"model": name, "embeddings": [shrink(v, dims) for v in outcome.vectors],
                          "total_duration": handle.elapsed_ns(), "load_duration": 0,
@@ -148,10 +150,11 @@ async def embeddings(request: Request) -> Response:
     """The older single-prompt endpoint: {"model", "prompt"} -> {"embedding": [...]}."""
     service, body, _ = await _request(request)
     prompt = get_str(body, "prompt", "")
-    get_object(body, "options")
+    budget = kv_budget(get_object(body, "options"), "options.")
+    salt = ollama_salt(body)
     if not prompt:
         return JSONResponse({"embedding": []})
-    handle = service.start_embedding([prompt])
+    handle = service.start_embedding([prompt], budget, salt)
     _, outcome = await until_done(request, handle, handle.result())
     return JSONResponse({"embedding": outcome.vectors[0].tolist()})
 

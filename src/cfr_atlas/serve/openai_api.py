@@ -32,9 +32,11 @@ from cfr_atlas.serve.params import (
     chat_messages,
     embed_inputs,
     get_bool,
+    get_cache_salt,
     get_dimensions,
     get_object,
     get_str,
+    kv_budget,
     openai_options,
     refuse,
 )
@@ -132,13 +134,14 @@ async def completions(request: Request) -> Response:
                                     f"{len(prompts)}")
     refuse(body, "suffix", "no fill-in-the-middle")
     if body.get("best_of") not in (None, 1):
-        raise ConfigError("best_of", f"only best_of=1 is supported, got {body['best_of']!r}")
+        raise ConfigError("best_of", f"only best_of=1 is supported, got {body['best_of']!r:.40}")
     opts = openai_options(body, service.context_length)
     streaming = get_bool(body, "stream", False)
     include_usage = get_bool(get_object(body, "stream_options"), "include_usage", False,
                              where="stream_options.")
     prompt = prompts[0]
-    ids = service.tokenize(prompt) if isinstance(prompt, str) else prompt
+    # a completion prompt is the client's whole template: control-token text is parsed
+    ids = service.tokenize(prompt, special=True) if isinstance(prompt, str) else prompt
     echo = get_bool(body, "echo", False)
     prefix = "" if not echo else (prompt if isinstance(prompt, str)
                                   else service.model.detokenize(prompt))
@@ -155,7 +158,7 @@ async def embeddings(request: Request) -> Response:
     if fmt not in ("float", "base64"):
         raise ConfigError("encoding_format", f"must be 'float' or 'base64', got {fmt!r}")
     dims = get_dimensions(body, service.model.config.dim)
-    handle = service.start_embedding(inputs)
+    handle = service.start_embedding(inputs, kv_budget(body), get_cache_salt(body))
     _, outcome = await until_done(request, handle, handle.result())
     data = []
     for i, v in enumerate(outcome.vectors):

@@ -3,7 +3,9 @@
 Everything a client sends is checked here, at the boundary, and turned into plain values or a
 `GenOptions`; a bad value raises `ConfigError(field, message)` naming the field and the value,
 which the server answers with 400. Unknown fields are ignored (clients send many knobs we do
-not have); known fields of the wrong type or range are refused. No model work happens here.
+not have); known fields of the wrong type or range are refused. Sizes are bounded here too:
+integers to the int64 range, `stop` to MAX_STOPS strings of MAX_STOP_CHARS, embedding inputs
+to MAX_EMBED_INPUTS, `cache_salt` to MAX_SALT_CHARS. No model work happens here.
 """
 
 from __future__ import annotations
@@ -17,6 +19,21 @@ from cfr_atlas.models.session import parse_bytes
 from cfr_atlas.sampling import SamplingParams
 
 _MISSING = object()
+INT_LIMIT = 2**63 - 1  # any integer field: |value| <= this (int64), else a 400
+MAX_STOPS = 16  # stop strings per request
+MAX_STOP_CHARS = 256  # characters per stop string
+MAX_EMBED_INPUTS = 2048  # inputs per embedding request (OpenAI's own limit)
+MAX_SALT_CHARS = 256  # cache_salt length
+
+
+def _short(value, limit: int = 80) -> str:
+    """repr(value) cut to `limit` characters (a client's value can be megabytes long)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"a {value.bit_length()}-bit integer"  # repr of a huge int is slow and long
+    if isinstance(value, list | dict) and len(value) > limit:
+        return f"a {type(value).__name__} of {len(value)} items"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _type_name(value) -> str:
@@ -40,7 +57,7 @@ def get_bool(body: Mapping, key: str, default: bool, *, where: str = "") -> bool
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ConfigError(where + key, f"must be true or false, got {value!r}")
+        raise ConfigError(where + key, f"must be true or false, got {_short(value)}")
     return value
 
 
@@ -49,8 +66,13 @@ def get_number(body: Mapping, key: str, default=None, *, where: str = "") -> flo
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(where + key, f"must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(where + key, f"must be a number, got {_short(value)}")
+    if isinstance(value, int) and abs(value) > INT_LIMIT:
+        raise ConfigError(where + key, f"must be within +-{INT_LIMIT} (int64), got a "
+                                       f"{value.bit_length()}-bit integer")
+    if not math.isfinite(value):
+        raise ConfigError(where + key, f"must be a finite number, got {value!r}")
     return value
 
 
@@ -60,8 +82,9 @@ def get_int(body: Mapping, key: str, default=None, *, where: str = "") -> int | 
     if value is None:
         return default
     if isinstance(value, float):
-        if not value.is_integer():
-            raise ConfigError(where + key, f"must be an integer, got {value!r}")
+        if not value.is_integer() or abs(value) > INT_LIMIT:
+            raise ConfigError(where + key, f"must be an integer within +-{INT_LIMIT}, got "
+                                           f"{value!r}")
         value = int(value)
     return value
 
@@ -76,15 +99,30 @@ def get_object(body: Mapping, key: str, *, where: str = "") -> Mapping:
 
 
 def get_stops(body: Mapping, key: str, *, where: str = "") -> tuple[str, ...]:
-    """A string or a list of strings."""
+    """A string or a list of at most MAX_STOPS strings of at most MAX_STOP_CHARS each."""
     value = body.get(key)
     if value is None:
         return ()
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return tuple(value)
-    raise ConfigError(where + key, f"must be a string or a list of strings, got {value!r}")
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ConfigError(where + key, f"must be a string or a list of strings, got "
+                                       f"{_short(value)}")
+    if len(stops) > MAX_STOPS:
+        raise ConfigError(where + key, f"has {len(stops)} strings; at most {MAX_STOPS}")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ConfigError(where + key, f"has a {longest}-character string; at most "
+                                       f"{MAX_STOP_CHARS} characters each")
+    return tuple(stops)
+
+
+def get_cache_salt(body: Mapping, key: str = "cache_salt", *, where: str = "") -> str | None:
+    """A prefix-cache salt: 1 to MAX_SALT_CHARS characters, or absent (None)."""
+    salt = get_str(body, key, None, where=where)
+    if salt is not None and not 1 <= len(salt) <= MAX_SALT_CHARS:
+        raise ConfigError(where + key, f"must be 1 to {MAX_SALT_CHARS} characters, got "
+                                       f"{len(salt)}")
+    return salt
 
 
 def refuse(body: Mapping, key: str, why: str) -> None:
@@ -102,6 +140,7 @@ class GenOptions:
     stops: tuple[str, ...] = ()
     num_ctx: int | None = None  # context limit for this request; None: the model's
     kv_budget: int | None = None  # bytes; None: the server's --kv-budget
+    cache_salt: str | None = None  # prefix-cache isolation key; None: the shared, unsalted one
 
 
 def _sampling(src: Mapping, where: str) -> SamplingParams:
@@ -130,13 +169,13 @@ def _num_ctx(src: Mapping, where: str, context_length: int) -> int | None:
     return n
 
 
-def _kv_budget(src: Mapping, where: str) -> int | None:
+def kv_budget(src: Mapping, where: str = "") -> int | None:
     value = src.get("kv_budget")
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ConfigError(where + "kv_budget", f"must be a size such as \"4MiB\" or a byte "
-                                               f"count, got {value!r}")
+                                               f"count, got {_short(value)}")
     try:
         return parse_bytes(value)
     except ConfigError as e:
@@ -156,8 +195,19 @@ def ollama_options(body: Mapping, context_length: int) -> GenOptions:
         max_tokens=None if n is None or n == -1 else n,
         stops=get_stops(opts, "stop", where=where),
         num_ctx=_num_ctx(opts, where, context_length),
-        kv_budget=_kv_budget(opts, where),
+        kv_budget=kv_budget(opts, where),
+        cache_salt=ollama_salt(body),
     )
+
+
+def ollama_salt(body: Mapping) -> str | None:
+    """Ollama requests: `cache_salt` at the top level or in `options` (the `ollama` package
+    can only send the latter); both must agree."""
+    top = get_cache_salt(body)
+    inner = get_cache_salt(get_object(body, "options"), where="options.")
+    if top is not None and inner is not None and top != inner:
+        raise ConfigError("cache_salt", "differs from options.cache_salt; send one of them")
+    return top if top is not None else inner
 
 
 def openai_options(body: Mapping, context_length: int) -> GenOptions:
@@ -180,13 +230,14 @@ def openai_options(body: Mapping, context_length: int) -> GenOptions:
     refuse(body, "tools", "no tool calling")
     fmt = get_object(body, "response_format")
     if fmt.get("type", "text") != "text":
-        raise ConfigError("response_format", f"only type 'text' is supported, got {fmt!r}")
+        raise ConfigError("response_format", f"only type 'text' is supported, got {_short(fmt)}")
     return GenOptions(
         sampling=_sampling(body, ""),
         max_tokens=n,
         stops=get_stops(body, "stop"),
         num_ctx=_num_ctx(body, "", context_length),
-        kv_budget=_kv_budget(body, ""),
+        kv_budget=kv_budget(body),
+        cache_salt=get_cache_salt(body),
     )
 
 
@@ -216,7 +267,7 @@ def chat_messages(body: Mapping) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ConfigError("messages", f"must be a non-empty list of {{role, content}} objects, "
-                                      f"got {messages!r:.80}")
+                                      f"got {_short(messages)}")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]."
@@ -224,7 +275,8 @@ def chat_messages(body: Mapping) -> list[dict]:
             raise ConfigError(where[:-1], f"must be an object, got {_type_name(m)}")
         role = get_str(m, "role", where=where)
         if role not in _ROLES:
-            raise ConfigError(where + "role", f"must be one of {sorted(_ROLES)}, got {role!r}")
+            raise ConfigError(where + "role", f"must be one of {sorted(_ROLES)}, got "
+                                              f"{_short(role)}")
         if m.get("images"):
             raise ConfigError(where + "images", "is not supported (the model reads text only)")
         out.append({"role": _ROLES[role], "content": _content(m, where)})
@@ -245,6 +297,8 @@ def embed_inputs(body: Mapping, key: str, *, token_ids: bool) -> list[str | list
     value = body.get(key)
     if isinstance(value, str):
         return [value]
+    if isinstance(value, list) and len(value) > MAX_EMBED_INPUTS:
+        raise ConfigError(key, f"has {len(value)} items; at most {MAX_EMBED_INPUTS} per request")
     if isinstance(value, list) and value:
         if all(isinstance(v, str) for v in value):
             return list(value)
@@ -256,4 +310,4 @@ def embed_inputs(body: Mapping, key: str, *, token_ids: bool) -> list[str | list
             return [list(v) for v in value]
     kinds = "a string or a non-empty list of strings" + (
         " (or of token ids)" if token_ids else "")
-    raise ConfigError(key, f"must be {kinds}, got {value!r:.80}")
+    raise ConfigError(key, f"must be {kinds}, got {_short(value)}")

@@ -1,22 +1,26 @@
 """`Service`: the one model, its card and its scheduler, as the HTTP handlers see them.
 
 Handlers turn requests into prompt ids and `GenOptions`; the service checks the context limit
-(a prompt that does not fit is a `CapacityError` with the numbers — never truncated), builds
-the job, submits it and hands back a `Handle` the handler awaits. `ServerConfig` holds the
+(a prompt that does not fit is a `CapacityError` with the numbers — never truncated) and the
+K/V budget against the operator's ceiling (`--kv-budget`: a request may ask for less, never
+more), builds the job with its Session kwargs (budget, page folder, `cache_salt`), submits it
+and hands back a `Handle` the handler awaits. `ServerConfig` holds the
 settings `cfr-atlas serve` exposes. HTTP, JSON and response shapes live in the api modules.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from cfr_atlas.errors import AtlasError, CapacityError, ConfigError
+from cfr_atlas.errors import CapacityError, ConfigError
 from cfr_atlas.generate import check_ids
+from cfr_atlas.models.session import Session
 from cfr_atlas.serve.card import ModelCard
 from cfr_atlas.serve.jobs import Channel, EmbeddingJob, GenerationJob, GenerationSpec, Job
 from cfr_atlas.serve.params import GenOptions
@@ -31,13 +35,14 @@ class ServerConfig:
     port: int = 11434
     model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     model_name: str | None = None  # None: the file name, lower case, ":latest"
-    kv_budget: int | None = None  # default per-request K/V budget in bytes; None: unbounded
+    kv_budget: int | None = None  # per-request K/V budget and ceiling, bytes; None: unbounded
     cache_dir: str | None = None  # page files of budgeted sessions; None: the user cache
     max_active: int = 4  # sequences interleaved at once
     max_queue: int = 16  # requests waiting beyond those; more -> 429
     max_tokens: int | None = None  # when a request sets no limit; None: until context is full
     retry_after: int = 1  # seconds, sent with 429
     max_body_bytes: int = 16 << 20
+    max_embed_tokens: int = 1 << 17  # tokens of one embedding request, all inputs together
 
 
 def shrink(vector: np.ndarray, dims: int | None) -> list[float]:
@@ -48,6 +53,12 @@ def shrink(vector: np.ndarray, dims: int | None) -> list[float]:
     return (v / max(float(np.linalg.norm(v)), 1e-12)).astype(np.float32).tolist()
 
 
+def salt_supported(model) -> bool:
+    """Whether `model.session(cache_salt=...)` keys prefix blocks by the salt (engine side)."""
+    return any("cache_salt" in inspect.signature(f).parameters
+               for f in (Session.__init__, model.session))
+
+
 class Handle:
     """The event-loop side of one submitted job: await its events, or cancel it."""
 
@@ -55,10 +66,11 @@ class Handle:
         self.scheduler, self.job, self.channel, self.t0 = scheduler, job, channel, t0
 
     async def next_event(self) -> tuple[str, object]:
-        """("text", str) or ("done", outcome); an ("error", exc) event is raised."""
+        """("text", str) or ("done", outcome); an ("error", exc) event is raised (an untyped
+        one reaches the client only as an internal error with a request id: see http.py)."""
         kind, value = await self.channel.get()
         if kind == "error":
-            raise value if isinstance(value, AtlasError) else RuntimeError(str(value))
+            raise value
         return kind, value
 
     async def events(self) -> AsyncIterator[tuple[str, object]]:
@@ -96,11 +108,36 @@ class Service:
     def context_length(self) -> int:
         return self.model.config.context_length
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.model.tokenize(text)
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
+        """Text -> ids; `special=True` only for prompts the client templated itself (raw)."""
+        return self.model.tokenize(text, special=special)
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
-        return self.tokenize(self.model.chat_prompt(messages))
+        """Messages -> ids; their text never becomes control tokens (`Model.chat_ids`)."""
+        return self.model.chat_ids(messages)
+
+    def kv_budget(self, requested: int | None) -> int | None:
+        """The budget a request runs under: its own if at most the operator's ceiling."""
+        ceiling = self.config.kv_budget
+        if requested is None:
+            return ceiling
+        if ceiling is not None and requested > ceiling:
+            raise ConfigError("kv_budget", f"{requested} bytes is above this server's ceiling "
+                                           f"of {ceiling} bytes (--kv-budget); ask for at most "
+                                           f"{ceiling}")
+        return requested
+
+    def session_kw(self, kv_budget: int | None, cache_salt: str | None, **kw) -> dict:
+        """Session kwargs of one request: the budget under the ceiling, the page folder, and
+        the prefix-cache salt (refused if this engine cannot keep salted blocks apart)."""
+        budget = self.kv_budget(kv_budget)
+        if budget is not None:
+            kw.update(kv_budget=budget, cache_dir=self.config.cache_dir)
+        if cache_salt is not None:
+            if not salt_supported(self.model):
+                raise ConfigError("cache_salt", "is not supported by this engine yet")
+            kw["cache_salt"] = cache_salt
+        return kw
 
     def check_fits(self, n_tokens: int, limit: int, what: str = "the prompt") -> None:
         if n_tokens > limit:
@@ -117,23 +154,26 @@ class Service:
         max_tokens = opts.max_tokens if opts.max_tokens is not None else self.config.max_tokens
         room = limit - len(ids) + 1  # the last sampled token is never fed back
         max_tokens = room if max_tokens is None else min(max_tokens, room)
-        budget = opts.kv_budget if opts.kv_budget is not None else self.config.kv_budget
-        session_kw = {"context_limit": limit}
-        if budget is not None:
-            session_kw.update(kv_budget=budget, cache_dir=self.config.cache_dir)
+        session_kw = self.session_kw(opts.kv_budget, opts.cache_salt, context_limit=limit)
         spec = GenerationSpec(tuple(ids), opts.sampling, max_tokens, opts.stops, session_kw)
         return self._submit(lambda ch: GenerationJob(self.model, spec, ch), t0)
 
-    def start_embedding(self, inputs: list[str | list[int]]) -> Handle:
-        """Embed texts (tokenized here) or token-id lists, one per scheduler step."""
+    def start_embedding(self, inputs: list[str | list[int]], kv_budget: int | None = None,
+                        cache_salt: str | None = None) -> Handle:
+        """Embed texts (tokenized here, as text) or token-id lists, one chunk per step."""
         t0 = time.perf_counter()
+        session_kw = self.session_kw(kv_budget, cache_salt)
         inputs = [self.tokenize(x) if isinstance(x, str) else x for x in inputs]
         for i, ids in enumerate(inputs):
             if not ids:
                 raise ConfigError("input", f"item {i} is empty")
             check_ids(ids, self.model.config.vocab_size)
             self.check_fits(len(ids), self.context_length, f"input {i}")
-        return self._submit(lambda ch: EmbeddingJob(self.model, inputs, ch), t0)
+        total = sum(map(len, inputs))
+        if total > self.config.max_embed_tokens:
+            raise ConfigError("input", f"is {total} tokens in all, more than this server's "
+                                       f"limit of {self.config.max_embed_tokens} per request")
+        return self._submit(lambda ch: EmbeddingJob(self.model, inputs, ch, session_kw), t0)
 
     def _submit(self, make, t0: float) -> Handle:
         channel = Channel(asyncio.get_running_loop())

@@ -3,8 +3,15 @@
 Holds `ChatTemplate` (Jinja2 in an `ImmutableSandboxedEnvironment` with the helpers HF
 templates expect: `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII, loop
 controls, trim_blocks/lstrip_blocks), message validation, and `CHATML_TEMPLATE`, used when
-the GGUF has no `tokenizer.chat_template`. It does not tokenize: the rendered string goes
-through `Tokenizer.encode`, which maps `<|im_start|>` and friends to single ids.
+the GGUF has no `tokenizer.chat_template`.
+
+`ChatTemplate.encode` turns messages into token ids so that only the template's own literals
+become control tokens. Before rendering, every added-token text inside a message's string
+values (and a leading / trailing fragment of one, which could join the template's text) is
+swapped for a private-use character that occurs nowhere in the template, the messages or the
+vocabulary's added tokens. The rendered string is cut at added-token texts (all of them the
+template's now); the pieces between are restored and encoded as plain text. For messages with
+no such text the ids are exactly `encode(render(...), special=True)`.
 """
 
 from __future__ import annotations
@@ -69,6 +76,59 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     return checked
 
 
+_PRIVATE_USE = (range(0xE000, 0xF900), range(0xF0000, 0xFFFFE), range(0x100000, 0x10FFFE))
+
+
+class _Escapes:
+    """Added-token texts in untrusted strings <-> private-use stand-ins (one per distinct text).
+
+    A stand-in is a character absent from everything the template can see and from every
+    added token, so no added-token match can include it and restoring it is exact.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, seen: str):
+        self._tok = tokenizer
+        texts = tokenizer.added_texts
+        self._prefixes = {t[:n] for t in texts for n in range(1, len(t))}
+        self._suffixes = {t[n:] for t in texts for n in range(1, len(t))}
+        self._longest = max(map(len, texts), default=0)
+        taken = set(seen).union(*texts)
+        self._free = (chr(c) for r in _PRIVATE_USE for c in r if chr(c) not in taken)
+        self._code: dict[str, str] = {}
+        self._restore: dict[int, str] = {}
+
+    def _stand_in(self, text: str) -> str:
+        if text not in self._code:
+            code = next(self._free, None)
+            if code is None:
+                raise ConfigError("messages", "too many distinct special-token texts to escape")
+            self._code[text], self._restore[ord(code)] = code, text
+        return self._code[text]
+
+    def escape(self, s: str) -> str:
+        """`s` with no added-token text inside it and none that can form across its ends."""
+        parts = [p if isinstance(p, str) else self._stand_in(self._tok.id_to_token(p))
+                 for p in self._tok.split_special(s)]
+        s = "".join(parts)
+        if any(s[:n] in self._suffixes for n in range(1, min(len(s), self._longest) + 1)):
+            s = self._stand_in(s[0]) + s[1:]
+        if any(s[-n:] in self._prefixes for n in range(1, min(len(s), self._longest) + 1)):
+            s = s[:-1] + self._stand_in(s[-1])
+        return s
+
+    def message(self, m: dict) -> dict:
+        return {k: self.escape(v) if isinstance(v, str) else v for k, v in m.items()}
+
+    def restore(self, s: str) -> str:
+        return s.translate(self._restore) if self._restore else s
+
+
+def _seen(template: str, messages: list[dict], context: dict) -> str:
+    """Every character the template or its inputs contain (stand-ins must avoid them all)."""
+    strings = [str(v) for m in messages for v in m.values()]
+    return template + "".join(strings) + json.dumps(context, ensure_ascii=False, default=str)
+
+
 def _token_text(tokenizer: Tokenizer, token_id: int | None) -> str:
     return "" if token_id is None else tokenizer.decode([token_id])
 
@@ -108,3 +168,22 @@ class ChatTemplate:
             )
         except (jinja2.TemplateError, TypeError) as exc:  # undefined names, bad operand types
             raise ConfigError("chat_template", f"rendering failed: {exc}") from exc
+
+    def encode(self, tokenizer: Tokenizer, messages, add_generation_prompt: bool = True,
+               **context) -> list[int]:
+        """messages -> prompt ids; text in the messages never becomes a control token.
+
+        Only the template's own literals (and `bos_token` / `eos_token`) are special-parsed;
+        BOS / EOS are added per the GGUF metadata, as `tokenizer.encode` adds them.
+        """
+        messages = validate_messages(messages)
+        escapes = _Escapes(tokenizer, _seen(self.template, messages, context))
+        text = self.render([escapes.message(m) for m in messages], add_generation_prompt,
+                           **context)
+        ids: list[int] = []
+        for part in tokenizer.split_special(text):
+            if isinstance(part, int):
+                ids.append(part)
+            else:
+                ids += tokenizer.encode(escapes.restore(part), add_bos=False, add_eos=False)
+        return tokenizer.wrap(ids)

@@ -4,14 +4,18 @@ Holds `Tokenizer` (encode, decode, per-token bytes, special ids), the pre-tokeni
 table copied from llama.cpp's `llm_tokenizer_bpe`, and GPT-2's byte <-> unicode table.
 Encoding runs on HF `tokenizers`: llama.cpp's regexes as `Split(isolated)` steps in order,
 then `ByteLevel` without its own regex, a BPE model from the GGUF tokens and merges, and
-CONTROL / USER_DEFINED tokens as added tokens matched before pre-tokenization. Decoding is done
-here from per-token byte pieces, so `decode` and `StreamDecoder` agree byte for byte; no space
-clean-up is applied, so `decode(encode(s)) == s`. It does not hold SentencePiece ("llama"),
+CONTROL / USER_DEFINED tokens as added tokens matched before pre-tokenization. Text is encoded
+without that matching unless the caller asks for it (`special=True`): user text that spells
+`<|im_start|>` stays those characters, and only a chat template's own literals (see chat.py) or
+an explicitly special-parsed prompt produce control ids. Decoding is done here from per-token
+byte pieces, so `decode` and `StreamDecoder` agree byte for byte; no space clean-up is applied,
+so `decode(encode(s)) == s`. It does not hold SentencePiece ("llama"),
 WordPiece or Unigram vocabularies, chat templates (chat.py) or streaming (stream.py).
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
@@ -126,12 +130,34 @@ def _build_hf(
     return hf
 
 
+def _plain(hf: HFTokenizer) -> HFTokenizer:
+    """The same BPE model and pre-tokenizer with no added tokens: text is only ever text."""
+    plain = HFTokenizer(hf.model)  # shares the model (vocab and merges), not a copy
+    plain.pre_tokenizer = hf.pre_tokenizer
+    plain.decoder = hf.decoder
+    return plain
+
+
+def _matcher(texts: Iterable[str]) -> re.Pattern | None:
+    """Leftmost-longest matching of added-token texts, as `tokenizers` splits on them."""
+    texts = sorted(set(texts), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+
 def _ids_of(types: Sequence[int], kind: TokenType) -> list[int]:
     return [i for i, t in enumerate(types) if t == kind]
 
 
 def _added(tokens: Sequence[str], types: Sequence[int], kind: TokenType, special: bool):
     return [AddedToken(tokens[i], special=special, normalized=False) for i in _ids_of(types, kind)]
+
+
+def _not_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at {e.start}"
+    return "could not be tokenized"
 
 
 def _resolve_pre(name: str | None) -> tuple[str, PreTokenizer]:
@@ -182,6 +208,11 @@ class Tokenizer:
         self._pieces = [_piece_bytes(t, i in literal) for i, t in enumerate(self._tokens)]
         self.eos_ids = self._end_of_generation(extra_eog_ids)
         self._hf = _build_hf(self._tokens, merges, types, spec)
+        self._hf_text = _plain(self._hf)
+        added = sorted(literal)
+        self.added_texts = frozenset(self._tokens[i] for i in added)  # control + user-defined
+        self._added_id = {t: self._hf.token_to_id(t) for t in self.added_texts}
+        self._added_re = _matcher(self.added_texts)
 
     @classmethod
     def from_gguf(cls, source: GGUFReader | Mapping[str, Any]) -> Tokenizer:
@@ -222,19 +253,45 @@ class Tokenizer:
         return frozenset(ids - {None})
 
     def encode(
-        self, text: str, add_bos: bool | None = None, add_eos: bool | None = None
+        self, text: str, add_bos: bool | None = None, add_eos: bool | None = None, *,
+        special: bool = False,
     ) -> list[int]:
-        """str -> token ids. Control tokens written in `text` (e.g. `<|im_start|>`) become their
-        single ids. BOS/EOS are added per GGUF metadata unless `add_bos` / `add_eos` say otherwise.
+        """str -> token ids. The text is text: `<|im_start|>` written in it is encoded as those
+        characters, never as the control token. `special=True` (for a prompt the caller
+        templated itself) maps control and user-defined token texts to their single ids.
+        BOS/EOS are added per GGUF metadata unless `add_bos` / `add_eos` say otherwise.
         """
         if not isinstance(text, str):
             raise ConfigError("text", f"must be str, got {type(text).__name__}")
-        ids = self._hf.encode(text, add_special_tokens=False).ids
+        hf = self._hf if special else self._hf_text
+        try:
+            ids = hf.encode(text, add_special_tokens=False).ids
+        except TypeError:  # `tokenizers` refuses str that is not valid Unicode
+            raise ConfigError("text", _not_unicode(text)) from None
+        return self.wrap(ids, add_bos, add_eos)
+
+    def wrap(self, ids: list[int], add_bos: bool | None = None,
+             add_eos: bool | None = None) -> list[int]:
+        """`ids` with BOS / EOS added per GGUF metadata unless told otherwise."""
         if self.add_bos if add_bos is None else add_bos:
             ids.insert(0, self._required("bos_id", self.bos_id))
         if self.add_eos if add_eos is None else add_eos:
             ids.append(self._required("eos_id", self.eos_id))
         return ids
+
+    def split_special(self, text: str) -> list[str | int]:
+        """`text` cut at added-token texts, as `encode(special=True)` cuts it: plain pieces
+        (str) and the ids of the added tokens between them, in order."""
+        out: list[str | int] = []
+        pos = 0
+        for m in self._added_re.finditer(text) if self._added_re is not None else ():
+            if m.start() > pos:
+                out.append(text[pos:m.start()])
+            out.append(self._added_id[m.group()])
+            pos = m.end()
+        if pos < len(text):
+            out.append(text[pos:])
+        return out
 
     @staticmethod
     def _required(name: str, token_id: int | None) -> int:
