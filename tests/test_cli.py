@@ -247,6 +247,48 @@ def test_generate_under_kv_budget_prints_the_same_text(capsys, tiny_llama, tmp_p
     assert int(t["pages regen'd"].replace(",", "")) > 0
 
 
+CHECK_EXACT = ["generate", "--max-tokens", 4, "--kv-budget", "384KiB", "--check-exact", "--raw",
+               validation_text()[:2500]]  # ~1800 tiny tokens: 900 KiB of K/V against 384 KiB
+
+
+def exact_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("# exact")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("regenerator", ["spill", "recompute"])
+def test_check_exact_passes_when_budgeted_run_is_bitwise_equal(capsys, tiny_llama, tmp_path,
+                                                               regenerator):
+    code, out, err = run(capsys, *CHECK_EXACT, "--model", tiny_llama, "--cache-dir", tmp_path,
+                         "--regenerator", regenerator)
+    assert code == 0, err
+    assert out.strip()
+    assert "yes: bitwise equal to the all-in-RAM run" in exact_line(err)
+    assert int(telemetry(err)["pages regen'd"].replace(",", "")) > 0  # the budget really bit
+
+
+def test_check_exact_fails_on_a_real_mismatch(capsys, monkeypatch, tiny_llama, tmp_path):
+    """A page file that silently returns one V value off by 2**-10 (its checksum still holds):
+    the budgeted run's logits differ from the all-in-RAM run's, so exit 1 with a clear line."""
+    from cfr_atlas.kv.page_file import SpillKv
+
+    faults = []
+    real = SpillKv.regenerate_page
+
+    def corrupted(self, key, tokens, k_out, v_out):
+        real(self, key, tokens, k_out, v_out)
+        v_out[0, 0] += np.float32(2.0**-10)
+        faults.append(key)
+
+    monkeypatch.setattr(SpillKv, "regenerate_page", corrupted)
+    code, out, err = run(capsys, *CHECK_EXACT, "--model", tiny_llama, "--cache-dir", tmp_path)
+    assert faults, "the budgeted run regenerated no page: the fault never fired"
+    assert code == 1, err
+    line = exact_line(err)
+    assert "NO: they differ from the all-in-RAM run" in line and "all 4 steps" in line
+
+
 def test_generate_applies_the_chat_template_unless_raw(capsys, tiny_llama, tmp_path):
     _, _, err = run(capsys, "generate", "--model", tiny_llama, "--max-tokens", 1,
                     "--cache-dir", tmp_path, PROMPT)

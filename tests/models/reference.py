@@ -5,12 +5,21 @@ with gguf-py's own `dequantize` to float64 and runs the whole model top to botto
 no fusion and no shortcuts. It is the oracle the engine is compared against, so it shares no
 code with `cfr_atlas` and favours being obviously right over being fast.
 
+It imports nothing from `cfr_atlas` (not even its error types): NumPy and gguf-py only. A
+malformed file raises ReferenceError.
+
 Conventions (the contract of `cfr_atlas.testing.tiny_gguf`, and llama.cpp's):
   * a matrix with GGUF `ne = [n_in, n_out]` dequantizes to (n_out, n_in) and is applied as x @ W.T;
   * "llama" = NORM rope, rotating adjacent pairs (x[2i], x[2i+1]) by pos * theta^(-2i/n_rot)
     (llama.cpp's converter permutes HF q/k weights into this layout); "qwen2" = NEOX rope,
     rotating (x[i], x[i + n_rot/2]), plus biases on q/k/v;
   * GQA: query head h reads kv head h // (n_heads // n_kv_heads).
+  * RoPE frequencies as llama.cpp computes them (ggml_rope_cache_init / rope_yarn): pair i turns
+    by pos * freq_scale * theta^(-2i/n_rot) / ff[i]. ff is the optional `rope_freqs.weight`
+    (n_rot/2,) tensor (Llama 3.1/3.2: the converter bakes "llama3" scaling into it), else 1.
+    freq_scale = 1 / `rope.scaling.factor` for scaling type "linear", which is llama.cpp's
+    default when `rope.scaling.type` is absent (factor absent or 0 -> 1); type "none" -> 1.
+    Any other type (yarn, longrope, ...) is refused: the reference does not model it.
 """
 
 from __future__ import annotations
@@ -21,16 +30,24 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from cfr_atlas.errors import ModelFormatError, UnsupportedArchitectureError
+
+class ReferenceError(ValueError):
+    """The GGUF is outside what this reference models (missing key or tensor, unknown rope)."""
+
 
 NEOX_ROPE = {"llama": False, "qwen2": True}  # arch -> rope pairs are split halves
 QKV_BIAS = {"llama": False, "qwen2": True}
 
 
-def _meta(reader: GGUFReader, key: str):
+_MISSING = object()
+
+
+def _meta(reader: GGUFReader, key: str, default=_MISSING):
     field = reader.get_field(key)
     if field is None:
-        raise ModelFormatError(f"GGUF metadata key {key!r} is missing")
+        if default is _MISSING:
+            raise ReferenceError(f"GGUF metadata key {key!r} is missing")
+        return default
     return field.contents()
 
 
@@ -47,10 +64,15 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def rope(x: np.ndarray, pos: np.ndarray, theta: float, n_rot: int, neox: bool) -> np.ndarray:
-    """x: (T, H, head_dim), pos: (T,) -> (T, H, head_dim); rotates the first n_rot dims per head."""
+def rope(x: np.ndarray, pos: np.ndarray, theta: float, n_rot: int, neox: bool,
+         freq_factors: np.ndarray | None = None, freq_scale: float = 1.0) -> np.ndarray:
+    """x: (T, H, head_dim), pos: (T,) -> (T, H, head_dim); rotates the first n_rot dims per head.
+
+    Pair i turns by pos * freq_scale * theta^(-2i/n_rot) / freq_factors[i] radians.
+    """
     half = n_rot // 2
     freq = theta ** (-2.0 * np.arange(half, dtype=np.float64) / n_rot)  # (half,) radians/position
+    freq = freq_scale * freq / (1.0 if freq_factors is None else freq_factors)
     angle = pos.astype(np.float64)[:, None] * freq[None, :]  # (T, half)
     cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]  # (T, 1, half)
     i0 = np.arange(half) if neox else 2 * np.arange(half)
@@ -71,6 +93,17 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+def rope_scale(r: GGUFReader, arch: str) -> float:
+    """freq_scale from `rope.scaling.type` / `rope.scaling.factor`, as llama.cpp reads them."""
+    kind = _meta(r, f"{arch}.rope.scaling.type", "linear")  # llama.cpp's default
+    factor = float(_meta(r, f"{arch}.rope.scaling.factor", 0.0))
+    if kind == "none":
+        return 1.0
+    if kind != "linear":
+        raise ReferenceError(f"rope scaling type {kind!r} is not modelled by the reference")
+    return 1.0 if factor == 0.0 else 1.0 / factor
+
+
 def reference_logits(path, ids: list[int]) -> np.ndarray:
     """Token ids (T,) -> logits (T, vocab) float64, positions 0..T-1, full causal attention.
 
@@ -79,7 +112,7 @@ def reference_logits(path, ids: list[int]) -> np.ndarray:
     r = path if isinstance(path, GGUFReader) else GGUFReader(path)
     arch = _meta(r, "general.architecture")
     if arch not in NEOX_ROPE:
-        raise UnsupportedArchitectureError(f"reference has no {arch!r}; knows {list(NEOX_ROPE)}")
+        raise ReferenceError(f"reference has no {arch!r}; knows {list(NEOX_ROPE)}")
     n_layers = _meta(r, f"{arch}.block_count")
     dim = _meta(r, f"{arch}.embedding_length")
     n_heads = _meta(r, f"{arch}.attention.head_count")
@@ -93,9 +126,11 @@ def reference_logits(path, ids: list[int]) -> np.ndarray:
 
     def W(name: str) -> np.ndarray:
         if name not in tensors:
-            raise ModelFormatError(f"tensor {name!r} is missing from the GGUF")
+            raise ReferenceError(f"tensor {name!r} is missing from the GGUF")
         return _dequantize(tensors[name])
 
+    ff = W("rope_freqs.weight") if "rope_freqs.weight" in tensors else None  # (n_rot/2,)
+    scale = rope_scale(r, arch)
     T = len(ids)
     pos = np.arange(T)
     causal = np.triu(np.full((T, T), -np.inf), k=1)  # (T, T): 0 on and below the diagonal
@@ -108,8 +143,8 @@ def reference_logits(path, ids: list[int]) -> np.ndarray:
         q, k, v = (xn @ W(p + f"attn_{n}.weight").T for n in "qkv")
         if QKV_BIAS[arch]:
             q, k, v = q + W(p + "attn_q.bias"), k + W(p + "attn_k.bias"), v + W(p + "attn_v.bias")
-        q = rope(q.reshape(T, n_heads, head_dim), pos, theta, n_rot, NEOX_ROPE[arch])
-        k = rope(k.reshape(T, n_kv_heads, head_dim), pos, theta, n_rot, NEOX_ROPE[arch])
+        q = rope(q.reshape(T, n_heads, head_dim), pos, theta, n_rot, NEOX_ROPE[arch], ff, scale)
+        k = rope(k.reshape(T, n_kv_heads, head_dim), pos, theta, n_rot, NEOX_ROPE[arch], ff, scale)
         v = v.reshape(T, n_kv_heads, head_dim)
         att = np.empty((T, n_heads, head_dim))
         for h in range(n_heads):

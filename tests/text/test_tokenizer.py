@@ -1,6 +1,5 @@
 """Tokenizer: tiny hand-made vocab (rules), bundled SmolLM2 (real ids), optional HF cross-check."""
 
-import importlib.util
 import warnings
 
 import pytest
@@ -163,10 +162,8 @@ def test_tiny_gguf_file_from_the_testing_package(tiny_llama):
     assert len(ids) < len(text.encode()) and tok.eos_id in tok.eos_ids
 
 
-HF_MISSING = any(importlib.util.find_spec(m) is None for m in ("transformers", "torch"))
-
-
-@pytest.mark.skipif(HF_MISSING, reason="needs transformers and torch for AutoTokenizer+gguf_file")
+@pytest.mark.hf
+@pytest.mark.usefixtures("hf_packages")  # skips without torch/transformers; fails under CI
 def test_matches_transformers_gguf_tokenizer(smollm, bundled_model_path):
     from transformers import AutoTokenizer
 

@@ -6,12 +6,15 @@ concatenating their quantized rows when they share a format. `forward_chunk` is 
 transformer for a chunk of tokens, top to bottom, with every attention call going through the
 caller's `Atlas` (the model's K/V lives there and in the session's regenerator).
 
-Architecture differences (RoPE convention, Q/K/V biases) live in `ARCHS`, not as branches in a
-loader. This module holds no sampling, tokenization or generation loop.
+Architecture differences (RoPE convention, Q/K/V biases, rope_freqs) live in `ARCHS`, not as
+branches in a loader. RoPE scaling follows llama.cpp: linear `rope.scaling.factor`, and the
+per-pair `rope_freqs.weight` divisors of Llama 3.1/3.2; YaRN and unknown types are refused.
+This module holds no sampling, tokenization or generation loop.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,11 +26,17 @@ from cfr_atlas.ops import rms_norm, rope_cos_sin, rope_freqs, rotate, swiglu
 from cfr_atlas.quant import QuantWeight
 
 # per architecture: RoPE convention (llama.cpp's converter permutes llama Q/K rows so that
-# adjacent pairs rotate; qwen2 keeps HF's split halves) and whether Q/K/V carry biases.
+# adjacent pairs rotate; qwen2 keeps HF's split halves), whether Q/K/V carry biases, and whether
+# llama.cpp reads the optional `rope_freqs.weight` (Llama 3.1/3.2 store their scaling there).
 ARCHS = {
-    "llama": {"rope_mode": "normal", "qkv_bias": False},
-    "qwen2": {"rope_mode": "neox", "qkv_bias": True},
+    "llama": {"rope_mode": "normal", "qkv_bias": False, "rope_freqs": True},
+    "qwen2": {"rope_mode": "neox", "qkv_bias": True, "rope_freqs": False},
 }
+# `rope.scaling.type` values we implement, as llama.cpp does: absent means "linear" (a no-op
+# without a factor). "llama3" is no runtime type in llama.cpp: its converter bakes Llama 3.1's
+# scaling into rope_freqs.weight. YaRN, LongRoPE and anything else are refused, never ignored.
+ROPE_SCALINGS = ("none", "linear")
+ROPE_FREQS = "rope_freqs.weight"
 
 
 @dataclass(frozen=True)
@@ -76,8 +85,6 @@ class LlamaConfig:
                                    "heads do not divide evenly")
         vocab = int(key("vocab_size", len(gf.meta("tokenizer.ggml.tokens", [])) or 0)) or int(
             gf.tensor("token_embd.weight").shape[1])
-        scaling = key("rope.scaling.type", "none")
-        factor = float(key("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
         return cls(
             arch=arch, n_layers=int(key("block_count")), dim=dim, n_heads=n_heads,
             n_kv_heads=n_kv, hidden_dim=int(key("feed_forward_length")), vocab_size=vocab,
@@ -85,9 +92,41 @@ class LlamaConfig:
             norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(key("rope.freq_base", 10000.0)),
             rope_dims=int(key("rope.dimension_count", dim // n_heads)),
-            rope_mode=ARCHS[arch]["rope_mode"], rope_freq_scale=1.0 / factor,
+            rope_mode=ARCHS[arch]["rope_mode"], rope_freq_scale=rope_freq_scale(gf, arch),
             qkv_bias=ARCHS[arch]["qkv_bias"],
         )
+
+
+def rope_freq_scale(gf: GGUFFile, arch: str) -> float:
+    """RoPE frequency multiplier as llama.cpp derives it: 1 / `rope.scaling.factor` (or the old
+    `rope.scale_linear`) for linear scaling, 0 or absent meaning 1; 1 for type "none"."""
+    kind = gf.meta(f"{arch}.rope.scaling.type", "linear")
+    if kind not in ROPE_SCALINGS:
+        raise ModelFormatError(
+            f"{gf.path.name}: {arch}.rope.scaling.type {kind!r} is not supported (supported: "
+            f"{', '.join(ROPE_SCALINGS)}; Llama 3.1 scaling comes as {ROPE_FREQS})")
+    factor = gf.meta(f"{arch}.rope.scaling.factor", gf.meta(f"{arch}.rope.scale_linear", 0.0))
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not (
+            math.isfinite(factor) and factor >= 0):
+        raise ModelFormatError(f"{gf.path.name}: {arch}.rope.scaling.factor must be a finite "
+                               f"number >= 0, got {factor!r}")
+    return 1.0 if kind == "none" or factor == 0 else 1.0 / float(factor)
+
+
+def rope_freq_factors(gf: GGUFFile, cfg: LlamaConfig) -> np.ndarray | None:
+    """`rope_freqs.weight` (rope_dims / 2,) float32: llama.cpp divides pair i's frequency by
+    entry i (ggml_rope_ext's freq_factors). None when the file has none."""
+    if ROPE_FREQS not in gf.tensors:
+        return None
+    if not ARCHS[cfg.arch]["rope_freqs"]:
+        raise ModelFormatError(f"{gf.path.name}: {cfg.arch} does not use {ROPE_FREQS}, but the "
+                               "file has one")
+    ff = gf.tensor_f32(ROPE_FREQS)
+    if ff.shape != (cfg.rope_dims // 2,) or not np.all(np.isfinite(ff) & (ff > 0)):
+        raise ModelFormatError(
+            f"{gf.path.name}: {ROPE_FREQS} must hold {cfg.rope_dims // 2} finite entries > 0 "
+            f"(rope dims {cfg.rope_dims} / 2), got {ff.shape[0]}: {ff[:8].tolist()}")
+    return ff
 
 
 def _weight(gf: GGUFFile, name: str) -> QuantWeight:
@@ -157,7 +196,8 @@ class LlamaModel:
         self.weights = LlamaWeights(gf, self.config)
         c = self.config
         self.rope_freqs = rope_freqs(c.rope_dims, theta=c.rope_theta,
-                                     freq_scale=c.rope_freq_scale)
+                                     freq_scale=c.rope_freq_scale,
+                                     freq_factors=rope_freq_factors(gf, c))
         # per-head K/V projections for exact recomputation (a copy of the K/V rows only)
         self.kv_weights = [kv_head_weights(gf, c, i) for i in range(c.n_layers)]
 

@@ -10,6 +10,7 @@ from cfr_atlas.testing.tiny_gguf import (
     SUPPORTED_QTYPES,
     build_vocab,
     bytes_to_unicode,
+    llama3_rope_factors,
     tiny_model_path,
     write_tiny_gguf,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "SUPPORTED_QTYPES",
     "build_vocab",
     "bytes_to_unicode",
+    "llama3_rope_factors",
     "tiny_model_path",
     "write_tiny_gguf",
 ]

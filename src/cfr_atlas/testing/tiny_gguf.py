@@ -12,6 +12,9 @@ The contract a tiny file carries (and tests/models/reference.py computes with):
     quant blocks run along n_in. Norm weights and biases are always F32.
   * The same seed draws the same float weights whatever the qtype, so an F32 and a Q4_0 file with
     one seed differ only by quantization error.
+  * Optional RoPE scaling as llama.cpp's converter writes it: `rope_freq_factors` becomes the F32
+    tensor `rope_freqs.weight` (n_rot/2,) (`llama3_rope_factors` computes Llama 3.1's), and
+    `rope_scaling_type` / `rope_scaling_factor` the `{arch}.rope.scaling.*` keys, any string.
 
 This module holds no forward pass and imports nothing of the engine, so the engine is always
 tested against files it did not write itself.
@@ -160,6 +163,29 @@ def _tensor_types(qtype, roles: list[str | None]) -> list[str]:
     return ["F32" if r is None else by_role[r] for r in roles]
 
 
+def llama3_rope_factors(n_rot: int, theta: float, *, factor: float = 8.0,
+                        low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                        original_context_length: int = 8192) -> list[float]:
+    """Llama 3.1's rope scaling as llama.cpp's converter bakes it into rope_freqs.weight: pair i
+    with wavelength 2 pi / freq_i keeps its frequency below context / high_freq_factor, is
+    slowed by `factor` above context / low_freq_factor, and is interpolated smoothly between."""
+    freqs = 1.0 / theta ** (np.arange(0, n_rot, 2, dtype=np.float32) / n_rot)
+    low_wavelen = original_context_length / low_freq_factor
+    high_wavelen = original_context_length / high_freq_factor
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / float(freq)
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(float(factor))
+        else:
+            smooth = ((original_context_length / wavelen - low_freq_factor)
+                      / (high_freq_factor - low_freq_factor))
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return out
+
+
 def _check_shapes(arch, n_layers, dim, n_heads, n_kv_heads) -> None:
     if arch not in ARCHS:
         raise ConfigError("arch", f"{arch!r} is not one of {ARCHS}")
@@ -187,6 +213,9 @@ def write_tiny_gguf(
     seed: int = 0,
     tied_embeddings: bool = True,
     norm_eps: float = 1e-5,
+    rope_freq_factors: list[float] | None = None,
+    rope_scaling_type: str | None = None,
+    rope_scaling_factor: float | None = None,
 ) -> Path:
     """Write a complete tiny GGUF to `path` (temp file, then os.replace) and return the path."""
     _check_shapes(arch, n_layers, dim, n_heads, n_kv_heads)
@@ -195,6 +224,9 @@ def write_tiny_gguf(
         np.random.default_rng(seed), arch=arch, n_layers=n_layers, dim=dim, n_heads=n_heads,
         n_kv_heads=n_kv_heads, hidden_dim=hidden_dim, vocab=len(tokens), tied=tied_embeddings,
     )  # fmt: skip
+    if rope_freq_factors is not None:  # first, as the converter's extra tensors come first
+        ff = np.asarray(rope_freq_factors, dtype=np.float32)
+        tensors.insert(0, ("rope_freqs.weight", None, ff))
     types = _tensor_types(qtype, [role for _, role, _ in tensors])
     matrix_types = [t for (_, role, _), t in zip(tensors, types, strict=True) if role]
     main_type = max(SUPPORTED_QTYPES, key=matrix_types.count)  # mixed files: most common
@@ -212,6 +244,10 @@ def write_tiny_gguf(
     w.add_rope_freq_base(rope_theta)
     w.add_layer_norm_rms_eps(norm_eps)
     w.add_rope_dimension_count(dim // n_heads)
+    if rope_scaling_type is not None:
+        w.add_string(f"{arch}.rope.scaling.type", rope_scaling_type)
+    if rope_scaling_factor is not None:
+        w.add_float32(f"{arch}.rope.scaling.factor", rope_scaling_factor)
     w.add_vocab_size(len(tokens))
     w.add_file_type(_FILE_TYPE[main_type])
     w.add_quantization_version(GGML_QUANT_VERSION)

@@ -1,0 +1,136 @@
+"""The parallel fold and merge kernels against the serial ones, bitwise, above the threshold.
+
+`fold_pages` / `merge_partitions` pick `_fold_parallel` / `_merge_parallel` once a call reaches
+`fold.PARALLEL_MIN_PAIRS` (query x key pairs, resp. state entries). Both kernels inline the same
+work item, so the results must be bitwise equal, and equal for 1 and 2 numba threads. Each test
+counts the calls of the parallel kernels (a wrapper around the real ones), so a test whose shape
+misses the threshold fails instead of passing vacuously.
+
+Two ways over the threshold: the fold_twins cases (small shapes, every storage dtype, window,
+softcap, ALiBi, sinks) with the threshold lowered to 1, and one natural shape above the real
+threshold (no patching of it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import pytest
+
+from cfr_atlas.atlas import fold
+from cfr_atlas.atlas.storage import StorageDtype, round_rows
+
+CASES = {
+    "plain": {}, "window": dict(window=7), "softcap": dict(softcap=3.0),
+    "alibi+sinks": dict(alibi=True, sinks=True), "one page": dict(context=4, T=2),
+    "all": dict(window=12, softcap=2.0, alibi=True, sinks=True, split=3),
+}  # fmt: skip
+# above the real threshold: T * G * (H * pages) * P = 8 * 4 * 32 * 16 = 16,384 pairs >= 8,192;
+# merge states T * H * parts * G * D = 8 * 2 * 8 * 4 * 64 = 32,768 >= 8,192
+NATURAL = dict(T=8, H=2, G=4, D=64, P=16, context=256, split=2, alibi=True, sinks=True)
+
+
+def _problem(rng, dtype, *, T=3, H=2, G=2, D=12, P=5, context=33, split=2, window=0,
+             softcap=0.0, alibi=False, sinks=False):
+    """(fold args without the state, state shape, sinks) of a random walk over all pages."""
+    S, C = 9, 4
+    q = rng.standard_normal((T, H, G, D)).astype(np.float32)
+    k_hot, v_hot, k_scr, v_scr = (round_rows(rng.uniform(-2, 2, (n, P, D)).astype(np.float32),
+                                             dtype) for n in (S, S, C, C))
+    k_hot, k_scr = (np.ascontiguousarray(a.transpose(0, 2, 1)) for a in (k_hot, k_scr))
+    n_pages = -(-context // P)
+    src = rng.integers(0, 2, (H, n_pages)).astype(np.int64)
+    slot = np.where(src == fold.SRC_HOT, rng.integers(0, S, (H, n_pages)),
+                    rng.integers(0, C, (H, n_pages))).astype(np.int64)
+    slopes = rng.uniform(0, 0.5, (H, G)) if alibi else np.zeros((H, G))
+    sink = rng.uniform(-2, 2, (H, G)) if sinks else np.full((H, G), np.nan)
+    args = (q, np.arange(context - T, context, dtype=np.int64), k_hot, v_hot, k_scr, v_scr,
+            dtype.code, src, slot, 0, context, split, 0, H * n_pages,
+            np.float32(1 / math.sqrt(D)), np.float32(softcap), slopes.astype(np.float32), window)
+    return args, (T, H, -(-n_pages // split), G, D), sink.astype(np.float32)
+
+
+def _state(T, H, n_part, G, D):
+    return (np.full((T, H, n_part, G), -np.inf), np.zeros((T, H, n_part, G)),
+            np.zeros((T, H, n_part, G, D)))
+
+
+@pytest.fixture
+def parallel_calls(monkeypatch):
+    """Counts calls of the real parallel kernels made through fold_pages / merge_partitions."""
+    calls = {"fold": 0, "merge": 0}
+    real_fold, real_merge = fold._fold_parallel, fold._merge_parallel
+
+    def counted_fold(*a):
+        calls["fold"] += 1
+        return real_fold(*a)
+
+    def counted_merge(*a):
+        calls["merge"] += 1
+        return real_merge(*a)
+
+    monkeypatch.setattr(fold, "_fold_parallel", counted_fold)
+    monkeypatch.setattr(fold, "_merge_parallel", counted_merge)
+    return calls
+
+
+def _serial(args, shape, sinks):
+    """The serial kernels called directly: the baseline whatever the threshold says."""
+    m, l, acc = _state(*shape)
+    q, src, lo, split = args[0], args[7], args[9], args[11]
+    fold._fold_serial(*args, m, l, acc, fold._n_items(q, src, lo, split))
+    out = np.empty(shape[:2] + shape[3:], dtype=np.float32)
+    fold._merge_serial(m, l, acc, sinks, out)
+    return m, l, acc, out
+
+
+def _dispatched(args, shape, sinks):
+    """Through the public entry points, which choose the kernel by size."""
+    m, l, acc = _state(*shape)
+    fold.fold_pages(*args, m, l, acc)
+    out = np.empty(shape[:2] + shape[3:], dtype=np.float32)
+    fold.merge_partitions(m, l, acc, sinks, out)
+    return m, l, acc, out
+
+
+def _assert_bitwise(a, b):
+    for x, y in zip(a, b, strict=True):
+        assert np.array_equal(x, y, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", list(StorageDtype), ids=lambda d: d.value)
+@pytest.mark.parametrize("case", CASES)
+def test_forced_parallel_equals_serial(monkeypatch, parallel_calls, all_threads, dtype, case):
+    monkeypatch.setattr(fold, "PARALLEL_MIN_PAIRS", 1)
+    problem = _problem(np.random.default_rng(len(case)), dtype, **CASES[case])
+    _assert_bitwise(_dispatched(*problem), _serial(*problem))
+    assert parallel_calls == {"fold": 1, "merge": 1}
+
+
+@pytest.mark.parametrize("dtype", list(StorageDtype), ids=lambda d: d.value)
+def test_natural_shape_above_threshold_parallel_equals_serial(parallel_calls, all_threads, dtype):
+    problem = _problem(np.random.default_rng(7), dtype, **NATURAL)
+    _assert_bitwise(_dispatched(*problem), _serial(*problem))
+    assert parallel_calls == {"fold": 1, "merge": 1}
+
+
+def test_one_and_two_threads_agree_above_threshold(parallel_calls, all_threads):
+    if all_threads < 2:
+        pytest.skip(f"numba has {all_threads} thread here; the comparison needs 2")
+    problem = _problem(np.random.default_rng(8), StorageDtype.FLOAT32, **NATURAL)
+    results = []
+    for threads in (1, 2):
+        numba.set_num_threads(threads)
+        results.append(_dispatched(*problem))
+    _assert_bitwise(*results)
+    assert parallel_calls == {"fold": 2, "merge": 2}
+    _assert_bitwise(results[0], _serial(*problem))
+
+
+def test_below_threshold_stays_serial(parallel_calls):
+    """The counter itself works: a small call does not take the parallel kernels."""
+    problem = _problem(np.random.default_rng(9), StorageDtype.FLOAT32)
+    _dispatched(*problem)
+    assert parallel_calls == {"fold": 0, "merge": 0}

@@ -1,0 +1,135 @@
+"""The engine on the bundled SmolLM2-135M Q4_1 against a committed, independent float64 reference.
+
+`data/smollm2_reference.npz` was written by `make_reference_logits.py` with `reference.py`: a
+plain float64 NumPy forward pass over gguf-py's dequantized weights that imports nothing from
+cfr_atlas. It holds, for 1,024 positions of the validation text, the top-64 reference logits and
+64 random vocab entries per position, the logsumexp over all 49,152 entries and the argmax.
+
+Tolerance, per compared entry (engine float32 logit e, reference float64 logit r):
+    |e - r| / max(1, |r|) <= REL_TOL = 1e-4
+Measured (2026-11-30, this machine): max 3.9e-5 (max |e - r| = 6.3e-5 at logits up to 42), so
+the bound has a 2.5x margin; float32 roundoff through 30 layers is the whole difference (the
+weights are the same Q4_1 numbers). Logsumexp obeys the same bound, so every one of the 49,152
+entries enters the check; the argmax must agree wherever the reference's top-2 gap exceeds
+2 x REL_TOL x max(1, |top logit|) (everywhere, as measured: the smallest gap is 4.5e-4).
+The budgeted run (256 KiB, pages regenerated) must equal the unbudgeted one bitwise.
+
+The committed file cannot rot silently: the model file's sha256 must match, and the reference
+forward pass is re-run here on the first PREFIX positions and compared with the stored numbers.
+Slow (about 2-3 minutes); `make test` runs it, and in CI (CI=true) a missing bundled model fails.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+from make_reference_logits import DEFAULT_OUT, INSTALL, bundled_model, file_sha256, summarize
+from reference import reference_logits
+
+from cfr_atlas.engine import load_model
+
+pytestmark = pytest.mark.slow
+REL_TOL = 1e-4  # |engine - ref| / max(1, |ref|), per entry; see the module docstring
+PREFIX = 64  # positions of the reference re-run on every test run
+REF_RERUN_TOL = 1e-9  # float64 vs float64, only BLAS blocking differs between runs
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict[str, np.ndarray]:
+    with np.load(DEFAULT_OUT) as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.fixture(scope="module")
+def model_path(ref) -> Path:
+    path = bundled_model()
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI needs the bundled model ({INSTALL})")
+        pytest.skip(f"bundled model not installed ({INSTALL})")
+    assert path.name == str(ref["model_name"])
+    assert file_sha256(path) == str(ref["model_sha256"]), "the reference was made for another file"
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    return load_model(model_path)
+
+
+@pytest.fixture(scope="module")
+def engine_logits(model, ref) -> np.ndarray:
+    return model.logits(ref["ids"].astype(np.int64))
+
+
+def entry_errors(logits: np.ndarray, ref: dict, which: str) -> np.ndarray:
+    """(N, K) relative errors |e - r| / max(1, |r|) at the stored `which` ids ('top'/'sample')."""
+    got = np.take_along_axis(logits, ref[f"{which}_ids"].astype(np.int64), axis=1)
+    r = ref[f"{which}_logits"]
+    return np.abs(got.astype(np.float64) - r) / np.maximum(1.0, np.abs(r))
+
+
+def logsumexp(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    mx = x.max(axis=1)
+    return mx + np.log(np.exp(x - mx[:, None]).sum(axis=1))
+
+
+def check_against_reference(logits: np.ndarray, ref: dict) -> dict[str, float]:
+    assert logits.shape == (len(ref["ids"]), 49152) and logits.dtype == np.float32
+    worst = {w: float(entry_errors(logits, ref, w).max()) for w in ("top", "sample")}
+    lse_ref = ref["logsumexp"]
+    worst["logsumexp"] = float((np.abs(logsumexp(logits) - lse_ref)
+                                / np.maximum(1.0, np.abs(lse_ref))).max())
+    print(f"\n[reference] {len(ref['ids'])} positions, max relative error {worst}")
+    assert all(v <= REL_TOL for v in worst.values()), worst
+    top = ref["top_logits"]
+    decided = top[:, 0] - top[:, 1] > 2 * REL_TOL * np.maximum(1.0, np.abs(top[:, 0]))
+    assert decided.mean() > 0.99  # the argmax check covers nearly every position
+    assert np.array_equal(logits.argmax(axis=1)[decided], ref["argmax"][decided])
+    return worst
+
+
+def test_reference_file_is_compact_and_covers_1024_positions(ref):
+    assert DEFAULT_OUT.stat().st_size < 2_000_000
+    n = len(ref["ids"])
+    assert n >= 1024
+    assert ref["top_logits"].dtype == np.float64 and ref["top_logits"].shape == (n, 64)
+    assert np.array_equal(ref["argmax"], ref["top_ids"][:, 0])
+
+
+def test_engine_matches_reference(engine_logits, ref):
+    check_against_reference(engine_logits, ref)
+
+
+def test_budgeted_engine_matches_reference_and_unbudgeted(model, engine_logits, ref, tmp_path):
+    got = model.logits(ref["ids"].astype(np.int64), kv_budget="256KiB", cache_dir=tmp_path,
+                       chunk_tokens=100)
+    assert model.last_telemetry["pages_regenerated"] > 0  # the budget really bit
+    assert np.array_equal(got, engine_logits)
+    check_against_reference(got, ref)
+
+
+def test_tolerance_catches_a_small_model_change(engine_logits, ref):
+    """A perturbation the size of one F16 rounding of the logits (5e-4 relative) fails."""
+    bumped = engine_logits * np.float32(1 + 5e-4)
+    with pytest.raises(AssertionError):
+        check_against_reference(bumped, ref)
+
+
+def test_committed_reference_matches_the_script(model_path, ref):
+    """Re-run the float64 reference on the first PREFIX positions: the file has not rotted."""
+    ids = ref["ids"][:PREFIX].tolist()
+    logits = reference_logits(GGUFReader(model_path), ids)  # (PREFIX, vocab) float64
+    for which in ("top", "sample"):
+        stored_ids = ref[f"{which}_ids"][:PREFIX].astype(np.int64)
+        np.testing.assert_allclose(np.take_along_axis(logits, stored_ids, axis=1),
+                                   ref[f"{which}_logits"][:PREFIX], rtol=0, atol=REF_RERUN_TOL)
+    fresh = summarize(logits, np.random.default_rng(0))  # its random sample ids are unused
+    np.testing.assert_allclose(fresh["logsumexp"], ref["logsumexp"][:PREFIX], rtol=0,
+                               atol=REF_RERUN_TOL)
+    assert np.array_equal(fresh["argmax"], ref["argmax"][:PREFIX])
