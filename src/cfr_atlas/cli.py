@@ -40,6 +40,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache", default=None, metavar="DIR",
                    help="persistent prefix cache folder: prompts starting with cached blocks "
                    "skip recomputing them (bitwise the same output)")
+    p.add_argument("--prefix-cache-bytes", default="8GiB", metavar="SIZE",
+                   help="byte budget of the prefix cache folder, e.g. 2GiB (default 8GiB); "
+                   "least recently used blocks beyond it are evicted")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
 
@@ -157,7 +160,8 @@ def telemetry_lines(t: dict) -> list[str]:
 def _generate(a) -> int:
     from cfr_atlas.engine import load_model
 
-    model = load_model(a.model, prefix_cache=a.prefix_cache)
+    model = load_model(a.model, prefix_cache=a.prefix_cache,
+                       prefix_cache_bytes=a.prefix_cache_bytes)
     prompt = a.prompt if a.raw else model.chat_prompt([{"role": "user", "content": a.prompt}])
     for piece in model.stream(prompt, **_gen_options(a), **_kv_options(a)):
         print(piece, end="", flush=True)
@@ -179,7 +183,8 @@ def _generate(a) -> int:
 def _chat(a) -> None:
     from cfr_atlas.engine import load_model
 
-    model = load_model(a.model, prefix_cache=a.prefix_cache)
+    model = load_model(a.model, prefix_cache=a.prefix_cache,
+                       prefix_cache_bytes=a.prefix_cache_bytes)
     messages = []
     print("cfr-atlas chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
