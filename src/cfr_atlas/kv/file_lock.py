@@ -48,8 +48,8 @@ def remove_if_abandoned(path: Path, pid: int | None = None) -> bool:
         path.unlink(missing_ok=True)
         return True
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # vanished, or not ours to read
+        fd = os.open(path, os.O_RDWR)  # writable: NFS emulates flock with write locks
+    except OSError:  # vanished, or not ours to touch
         return False
     try:
         try:

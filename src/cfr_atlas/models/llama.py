@@ -86,7 +86,9 @@ class LlamaConfig:
         n_kv = count("attention.head_count_kv", n_heads, high=LIMITS["heads"])
         if dim % n_heads or n_heads % n_kv:
             raise ModelFormatError(f"{gf.path.name}: dim {dim}, {n_heads} heads and {n_kv} K/V "
-                                   "heads do not divide evenly")
+                                   f"heads do not divide evenly ({arch}.embedding_length must "
+                                   "be a multiple of attention.head_count, and that of "
+                                   "attention.head_count_kv)")
         rope_dims = count("rope.dimension_count", dim // n_heads, high=dim // n_heads)
         if rope_dims % 2:
             raise ModelFormatError(f"{gf.path.name}: metadata {arch}.rope.dimension_count = "
