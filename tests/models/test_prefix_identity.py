@@ -186,6 +186,8 @@ def test_bad_salt_is_a_config_error(tiny_llama, tmp_path, salt):
     for prefix in (None, tmp_path / "prefix"):
         m = load_model(tiny_llama, prefix_cache=prefix)
         with pytest.raises(ConfigError, match="cache_salt"):
-            m.next_logits(IDS, page_tokens=PAGE, cache_salt=salt)
+            m.next_logits(IDS, page_tokens=PAGE, cache_salt=salt, kv_budget="3KiB",
+                          cache_dir=tmp_path / "pages")
+        assert list(tmp_path.glob("pages/*")) == []  # refused before a page file exists
         if m.prefix:
             m.prefix.close()

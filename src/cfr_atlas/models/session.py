@@ -31,7 +31,7 @@ def parse_bytes(value, field: str = "kv_budget") -> int:
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
         if not m or m.group(2).upper() not in _UNITS:
             raise ConfigError(field, f"cannot read {value!r} as a size; use e.g. 512KiB, "
-                                           "16MiB, 1GiB")
+                                     "16MiB, 1GiB")
         n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
     if n < 0 or n > UNBOUNDED:
         raise ConfigError(field, f"{n} bytes is outside [0, 2**40]")
@@ -54,6 +54,7 @@ class Session:
                  cache_salt: str = ""):
         c = model.config
         self.model = model
+        check_salt(cache_salt)  # keys the prefix blocks: other salts never share one
         self.context_limit = c.context_length if context_limit is None else context_limit
         probe = AtlasConfig(page_tokens=page_tokens, head_dim=c.head_dim,
                             storage_dtype=storage_dtype)
@@ -95,8 +96,6 @@ class Session:
         self.cached_tokens = 0
         self._heads = list(range(c.n_kv_heads))
         # prefix reuse: a PrefixCache for this page size and dtype, when the model has one
-        # cache_salt keys the blocks: sessions with different salts never share one
-        check_salt(cache_salt)
         self.prefix = None if prefix is None else prefix.cache(page_tokens, storage_dtype)
         self._builder = None if self.prefix is None else \
             BlockBuilder(self.prefix, salted_root(self.prefix, cache_salt))
