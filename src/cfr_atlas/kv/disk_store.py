@@ -264,6 +264,7 @@ class DiskKvStore:
         while self._index and self._bytes + size > self.budget_bytes:
             old, old_size = self._index.popitem(last=False)
             self.path_for(old).unlink(missing_ok=True)
+            log.debug("K/V store %s: evicted %s (%d bytes)", self.root, old.hex(), old_size)
             self._bytes -= old_size
             evicted, freed = evicted + 1, freed + old_size
         if evicted:
