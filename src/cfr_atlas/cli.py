@@ -40,6 +40,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache", default=None, metavar="DIR",
                    help="persistent prefix cache folder: prompts starting with cached blocks "
                    "skip recomputing them (bitwise the same output)")
+    p.add_argument("--prefix-cache-bytes", default="8GiB", metavar="SIZE",
+                   help="byte budget of the prefix cache folder, e.g. 2GiB (default 8GiB); "
+                   "least recently used blocks beyond it are evicted")
     p.add_argument("--raw", action="store_true",
                    help="do not apply the chat template (control-token text in the prompt is "
                    "then parsed as control tokens)")
@@ -85,7 +88,11 @@ def _serve_parser(sub) -> None:
     s.add_argument("--kv-budget", default=None, help="default per-request " + _KV_HELP)
     s.add_argument("--cache-dir", default=None, help="folder for page files (default: user cache)")
     s.add_argument("--prefix-cache", default=None, metavar="DIR",
-                   help="prefix cache folder, passed to the engine (pending engine support)")
+                   help="persistent prefix cache folder shared by all requests; clients that "
+                   "send different cache_salt values never share blocks")
+    s.add_argument("--prefix-cache-bytes", default="8GiB", metavar="SIZE",
+                   help="byte budget of the prefix cache folder (default 8GiB); least recently "
+                   "used blocks beyond it are evicted")
     s.add_argument("--max-active", type=int, default=4, help="sequences interleaved (default 4)")
     s.add_argument("--max-queue", type=int, default=16,
                    help="requests waiting beyond those; more get 429 (default 16)")
@@ -105,7 +112,7 @@ def _serve(a) -> None:
     serve(ServerConfig(host=a.host, port=a.port, model_path=a.model, model_name=a.name,
                        kv_budget=budget, cache_dir=a.cache_dir, max_active=a.max_active,
                        max_queue=a.max_queue, max_tokens=a.max_tokens),
-          prefix_cache=a.prefix_cache)
+          prefix_cache=a.prefix_cache, prefix_cache_bytes=a.prefix_cache_bytes)
 
 
 def _validate(a) -> int:
@@ -159,7 +166,8 @@ def telemetry_lines(t: dict) -> list[str]:
 def _generate(a) -> int:
     from cfr_atlas.engine import load_model
 
-    model = load_model(a.model, prefix_cache=a.prefix_cache)
+    model = load_model(a.model, prefix_cache=a.prefix_cache,
+                       prefix_cache_bytes=a.prefix_cache_bytes)
     prompt = (model.tokenize(a.prompt, special=True) if a.raw  # --raw: the template is yours
               else model.chat_ids([{"role": "user", "content": a.prompt}]))
     for piece in model.stream(prompt, **_gen_options(a), **_kv_options(a)):
@@ -182,7 +190,8 @@ def _generate(a) -> int:
 def _chat(a) -> None:
     from cfr_atlas.engine import load_model
 
-    model = load_model(a.model, prefix_cache=a.prefix_cache)
+    model = load_model(a.model, prefix_cache=a.prefix_cache,
+                       prefix_cache_bytes=a.prefix_cache_bytes)
     messages = []
     print("cfr-atlas chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:

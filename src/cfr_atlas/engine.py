@@ -16,28 +16,32 @@ import numpy as np
 from cfr_atlas.generate import DEFAULT_CHUNK, Timer, check_ids, generate_steps, prefill
 from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
 from cfr_atlas.models.llama import LlamaModel
-from cfr_atlas.models.prefix import PrefixTier, default_prefix_dir
-from cfr_atlas.models.session import Session
+from cfr_atlas.models.prefix import DEFAULT_DISK_BYTES, PrefixTier, default_prefix_dir
+from cfr_atlas.models.session import Session, parse_bytes
 from cfr_atlas.sampling import SamplingParams
 from cfr_atlas.text import ChatTemplate, StreamDecoder, Tokenizer
 
 
 def load_model(path: str | os.PathLike | None = None, *,
-               prefix_cache: str | os.PathLike | bool | None = None) -> Model:
+               prefix_cache: str | os.PathLike | bool | None = None,
+               prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES) -> Model:
     """Load a GGUF model (default: the bundled SmolLM2-135M-Instruct Q4_1).
 
     prefix_cache: a folder for the persistent prefix cache (True: the per-user default,
     ~/.cache/cfr-atlas/prefix); prompts that start with cached whole blocks skip recomputing
     them, with bitwise the same results. None (default): no prefix cache.
+    prefix_cache_bytes: the folder's byte budget (default 8 GiB; an int or e.g. "2GiB"); block
+    files beyond it are evicted least recently used first, whichever model wrote them.
     """
     return Model(GGUFFile(path if path is not None else bundled_model_path()),
-                 prefix_cache=prefix_cache)
+                 prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes)
 
 
 class Model:
     """A loaded model with its tokenizer; see the module docstring."""
 
-    def __init__(self, gf: GGUFFile, *, prefix_cache=None):
+    def __init__(self, gf: GGUFFile, *, prefix_cache=None,
+                 prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES):
         self.path = gf.path
         self.identity = gf.identity()
         self.net = LlamaModel(gf)
@@ -46,7 +50,9 @@ class Model:
         self.tokenizer = Tokenizer.from_gguf(gf.reader)
         self.chat_template = ChatTemplate.from_gguf(gf.reader, self.tokenizer)
         folder = default_prefix_dir() if prefix_cache is True else prefix_cache
-        self.prefix = None if not folder else PrefixTier(self.net, self.identity, folder)
+        disk_bytes = parse_bytes(prefix_cache_bytes, "prefix_cache_bytes")
+        self.prefix = None if not folder else PrefixTier(self.net, self.identity, folder,
+                                                         disk_bytes=disk_bytes)
         self.last_telemetry: dict = {}
 
     # --- text ------------------------------------------------------------------------------
@@ -61,7 +67,9 @@ class Model:
     # --- sessions and logits ---------------------------------------------------------------
     def session(self, **kv) -> Session:
         """A fresh sequence: kv_budget, regenerator, policy, storage_dtype, page_tokens,
-        cache_dir (see `Session`)."""
+        cache_dir, cache_salt (see `Session`). Every method below that takes `**kv` passes
+        them here; `cache_salt` (str, default "" = none) keys the prefix cache's blocks, so
+        requests with different salts never share cached K/V."""
         return Session(self.net, prefix=self.prefix, **kv)
 
     def logits(self, ids, *, chunk_tokens: int = DEFAULT_CHUNK, **kv) -> np.ndarray:

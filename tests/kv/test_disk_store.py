@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from kv_helpers import SIG, make_block, same_block, signature
 from cfr_atlas.errors import CapacityError, CorruptBlockError, IncompatibleBlockError
 from cfr_atlas.kv import DiskKvStore, ReadReason, decode_block, encode_block, encoded_size
 from cfr_atlas.kv import disk_store as disk_store_module
+from cfr_atlas.kv.file_lock import hold_lock
 
 IDS = list(range(100, 132))  # 8 blocks of 4 tokens
 FILE = encoded_size(SIG)
@@ -139,9 +141,9 @@ def test_future_version_and_other_signatures_are_kept(open_store):
     assert _get(store, block).reason is ReadReason.HIT        # the file was kept
     path = store.path_for(block.hash)
     data = path.read_bytes()
-    path.write_bytes(data[:8] + struct.pack("<I", 2) + data[12:])
+    path.write_bytes(data[:8] + struct.pack("<I", 3) + data[12:])
     out = _get(store, block)
-    assert out.reason is ReadReason.INCOMPATIBLE and "version 2 (this build reads 1)" in out.detail
+    assert out.reason is ReadReason.INCOMPATIBLE and "version 3 (this build reads 2)" in out.detail
     assert path.exists() and store.stats().incompatible == 2 and store.stats().corrupt == 0
 
 
@@ -168,7 +170,7 @@ def test_lru_eviction_under_the_byte_budget(open_store):
     assert store.stats().evictions == 1
 
 
-def test_free_disk_space_minus_the_reserve_bounds_the_store(open_store, monkeypatch):
+def test_low_free_disk_space_rejects_writes_and_never_evicts(open_store, monkeypatch):
     usage = namedtuple("usage", "total used free")
     free = {"bytes": 10 * FILE}
     monkeypatch.setattr(disk_store_module.shutil, "disk_usage",
@@ -176,21 +178,83 @@ def test_free_disk_space_minus_the_reserve_bounds_the_store(open_store, monkeypa
     store = open_store()
     b0, b1 = make_block(IDS, 0), make_block(IDS, 1)
     store.put(b0)
-    free["bytes"] = FILE // 2                    # the disk filled up: b0 must go to fit b1
+    free["bytes"] = FILE // 2                    # the disk filled up: b1 is not cached
     store.put(b1)
-    assert not store.path_for(b0.hash).exists() and store.path_for(b1.hash).exists()
-    free["bytes"] = 0
-    store.put(make_block(IDS, 2))                # evicting b1 frees exactly enough
+    assert store.path_for(b0.hash).exists() and not store.path_for(b1.hash).exists()
     s = store.stats()
-    assert (s.evictions, s.rejected, s.blocks) == (2, 0, 1)
+    assert (s.evictions, s.rejected, s.blocks) == (0, 1, 1)
+    assert _get(store, b1).reason is ReadReason.MISS   # a miss, not an error
     store.close()
-    free["bytes"] = 10 * FILE - FILE // 2        # half a file inside the reserve
+    free["bytes"] = 0                            # far inside the reserve: opening keeps all
     reserved = open_store(reserve_bytes=10 * FILE)
-    assert reserved.stats().blocks == 0          # adoption gave the reserve back
-    assert reserved.stats().evictions == 1
-    reserved.put(make_block(IDS, 3))
-    s = reserved.stats()
-    assert (s.rejected, s.blocks) == (1, 0)
+    assert reserved.stats().blocks == 1 and reserved.stats().evictions == 0
+    assert _get(reserved, b0).reason is ReadReason.HIT
+
+
+def test_eviction_is_by_budget_lru_logged_and_counted(open_store, caplog):
+    store = open_store(budget_bytes=3 * FILE)
+    blocks = [make_block(IDS, i) for i in range(5)]
+    for block in blocks[:3]:
+        store.put(block)
+    assert _get(store, blocks[0]).reason is ReadReason.HIT      # blocks[1] is now the oldest
+    with caplog.at_level("INFO", logger="cfr_atlas.kv.disk_store"):
+        store.put(blocks[3])
+        store.put(blocks[4])
+    assert [store.path_for(b.hash).exists() for b in blocks] == [True, False, False, True, True]
+    s = store.stats()
+    assert (s.evictions, s.evicted_bytes, s.blocks, s.bytes) == (2, 2 * FILE, 3, 3 * FILE)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all(f"({FILE} bytes)" in m and str(3 * FILE) in m for m in lines)
+    store.close()
+    smaller = open_store(budget_bytes=FILE)        # reopening under a smaller budget evicts LRU
+    assert smaller.stats().evictions == 2 and smaller.stats().blocks == 1
+    assert _get(smaller, blocks[4]).reason is ReadReason.HIT
+
+
+def test_folders_are_0700_and_block_files_0600_whatever_the_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        store = DiskKvStore(tmp_path / "a" / "kv", budget_bytes=1 << 20, reserve_bytes=0,
+                            background=False)
+        block = make_block(IDS, 0)
+        store.put(block)
+        store.close()
+    finally:
+        os.umask(old)
+    path = store.path_for(block.hash)
+    assert stat.S_IMODE(store.root.stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+HOLD_TEMP = """
+import sys
+from pathlib import Path
+from cfr_atlas.kv import block_dir
+block_dir.os.replace = lambda src, dst: (print("holding", flush=True), sys.stdin.readline(),
+                                         block_dir.os._exit(0))
+block_dir.write_atomic(Path(sys.argv[1]), b"a block being written")
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="flock")
+def test_a_temp_file_held_by_another_process_survives_until_it_exits(open_store):
+    store = open_store()
+    target = store.path_for(make_block(IDS, 0).hash)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_TEMP, str(target)], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == "holding"
+        (temp,) = target.parent.glob("*.tmp")
+        renamed = temp.with_name(f".{target.stem}.{_dead_pid()}.0badc0de.tmp")
+        temp.rename(renamed)                      # its pid says dead (another container): kept
+        open_store()
+        assert renamed.exists()
+    finally:
+        proc.communicate("go\n", timeout=60)
+    assert proc.returncode == 0 and renamed.exists()  # died without cleaning up
+    open_store()
+    assert not renamed.exists() and not target.exists()
 
 
 def test_block_larger_than_the_budget_is_rejected(open_store):
@@ -279,9 +343,11 @@ def test_restart_adopts_files_in_a_new_process_and_cleans_temp_files(open_store)
     store.close()
     folder = store.path_for(blocks[0].hash).parent
     stale = folder / f".{blocks[0].hash.hex()}.{_dead_pid()}.0badc0de.tmp"
-    live = folder / f".{blocks[1].hash.hex()}.{os.getpid()}.00c0ffee.tmp"
+    live = folder / f".{blocks[1].hash.hex()}.{_dead_pid()}.00c0ffee.tmp"
     stale.write_bytes(b"half a block")
     live.write_bytes(b"a write in progress")
+    held = os.open(live, os.O_RDONLY)
+    hold_lock(held)  # a writer holds it, whatever its pid says
     misplaced = store.root / "00" / ("ff" * 32 + ".kvb")
     misplaced.parent.mkdir(exist_ok=True)
     misplaced.write_bytes(b"x")
@@ -294,6 +360,7 @@ def test_restart_adopts_files_in_a_new_process_and_cleans_temp_files(open_store)
     want = hashlib.sha256(b.k.tobytes() + b.v.tobytes()).hexdigest()
     assert proc.stdout.split() == ["3", "hit", want]
     assert not stale.exists() and live.exists() and not misplaced.exists()
+    os.close(held)
 
 
 def test_adoption_evicts_least_recently_used_down_to_the_budget(open_store, tmp_path):

@@ -4,6 +4,7 @@ window, and KvBlock shape checks."""
 from __future__ import annotations
 
 import dataclasses
+import platform
 import struct
 
 import numpy as np
@@ -24,13 +25,15 @@ def test_round_trip_and_first_mismatch():
     names = [f.name for f in dataclasses.fields(CacheSignature)]
     assert names == ["model_id", "architecture", "n_layers", "n_kv_heads", "head_dim",
                      "storage_dtype", "block_tokens", "rope_theta", "rope_mode",
-                     "sliding_window", "format_version"]
+                     "sliding_window", "format_version", "package_version", "kernel_build"]
+    assert SIG.first_mismatch(signature(package_version="9.9")) == "package_version"
+    assert SIG.first_mismatch(signature(kernel_build="other cpu")) == "kernel_build"
 
 
 def test_from_bytes_refuses_anything_but_one_exact_encoding():
     raw = SIG.to_bytes()
-    with pytest.raises(CorruptBlockError, match="version 2"):
-        CacheSignature.from_bytes(raw[:4] + struct.pack("<H", 2) + raw[6:])
+    with pytest.raises(CorruptBlockError, match="version 1"):
+        CacheSignature.from_bytes(raw[:4] + struct.pack("<H", 1) + raw[6:])
     with pytest.raises(CorruptBlockError, match="magic"):
         CacheSignature.from_bytes(b"XSIG" + raw[4:])
     for cut in (0, 5, 10, len(raw) - 1):
@@ -76,3 +79,21 @@ def test_kv_block_checks_its_arrays():
         KvBlock(block.hash, block.token_ids[:3], SIG, block.k, block.v)
     with pytest.raises(DimensionError, match="32 bytes"):
         KvBlock(b"x", block.token_ids, SIG, block.k, block.v)
+
+
+def test_signature_carries_this_build_and_its_fingerprint_is_overridable(monkeypatch):
+    from cfr_atlas.kv import build
+
+    fp = build.kernel_fingerprint()
+    for part in ("numpy", "numba", "llvmlite", "cpu", "features", platform.python_version()):
+        assert part in fp, (part, fp)
+    assert SIG.package_version == build.package_version() and SIG.kernel_build == fp
+    monkeypatch.setattr(build, "kernel_fingerprint", lambda: "another machine")
+    monkeypatch.setattr(build, "package_version", lambda: "9.9.9")
+    other = dataclasses.replace(SIG)  # fields given explicitly: unchanged
+    assert other == SIG
+    fresh = CacheSignature(**{f.name: getattr(SIG, f.name) for f in dataclasses.fields(SIG)
+                              if f.name not in ("package_version", "kernel_build")})
+    assert (fresh.package_version, fresh.kernel_build) == ("9.9.9", "another machine")
+    assert SIG.first_mismatch(fresh) == "package_version"
+    assert CacheSignature.from_bytes(fresh.to_bytes()) == fresh

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cfr_atlas.engine import load_model
+from cfr_atlas.errors import ConfigError
 
 PAGE = 4
 IDS = [5, 77, 300, 12, 9, 256, 257, 1, 42, 99, 150, 3, 7, 8, 31, 200, 18, 64, 65, 66, 10, 11]
@@ -83,3 +84,44 @@ def test_disk_tier_serves_blocks_after_restart(tiny_llama, tmp_path):
     cached_tokens, disk_hits = map(int, res.stdout.split())
     assert cached_tokens == (len(IDS) - 1) // PAGE * PAGE and disk_hits >= cached_tokens // PAGE
     assert np.array_equal(np.load(out), want)
+
+
+def test_prefix_cache_bytes_bounds_the_folder(tiny_llama, tmp_path, caplog):
+    from cfr_atlas.kv import encoded_size
+
+    probe = load_model(tiny_llama, prefix_cache=tmp_path / "probe")
+    size = encoded_size(probe.prefix.cache(PAGE, "float32").signature)
+    probe.prefix.close()
+    folder = tmp_path / "prefix"
+    m = load_model(tiny_llama, prefix_cache=folder, prefix_cache_bytes=2 * size)
+    with caplog.at_level("INFO", logger="cfr_atlas.kv.disk_store"):
+        m.next_logits(IDS, page_tokens=PAGE)
+        m.prefix.disk.flush()
+    s = m.prefix.disk.stats()
+    files = list(folder.rglob("*.kvb"))
+    assert len(IDS) // PAGE == 5 and s.evictions == 3 and s.evicted_bytes == 3 * size
+    assert len(files) == 2 and sum(f.stat().st_size for f in files) <= 2 * size
+    assert any("evicted" in r.getMessage() for r in caplog.records)
+    m.prefix.close()
+    with pytest.raises(ConfigError, match="prefix_cache_bytes"):
+        load_model(tiny_llama, prefix_cache=folder, prefix_cache_bytes="lots")
+
+
+def test_cli_prefix_cache_bytes(tiny_llama, tmp_path, capsys):
+    from cfr_atlas import cli
+
+    folder = tmp_path / "prefix"
+    argv = ["generate", "--model", str(tiny_llama), "--raw", "--max-tokens", "1",
+            "--prefix-cache", str(folder), "hello world " * 200]  # > 256 tokens: whole blocks
+
+    def run(*extra):
+        proc = subprocess.run([sys.executable, "-m", "cfr_atlas.cli", *argv, *extra],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return list(folder.rglob("*.kvb"))
+
+    assert run("--prefix-cache-bytes", "1KiB") == []    # a block is larger than 1 KiB
+    assert len(run()) >= 1                              # the default budget (8 GiB) keeps them
+    assert cli.main([*argv, "--prefix-cache-bytes", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "prefix_cache_bytes" in err and "lots" in err

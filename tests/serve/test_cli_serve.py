@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import inspect
-
 import uvicorn
 
 from cfr_atlas import cli
-from cfr_atlas.engine import load_model
-from cfr_atlas.serve.app import load_for_serving
 
 
 def test_serve_defaults_are_loopback_and_ollama_port():
@@ -40,8 +36,11 @@ def test_serve_bad_arguments_exit_2(capsys):
     assert "max_queue" in capsys.readouterr().err
 
 
-def test_prefix_cache_passes_through_or_warns(tiny_llama, tmp_path, capsys):
-    model = load_for_serving(str(tiny_llama), str(tmp_path))
-    assert model.config.n_layers == 2
-    if "prefix_cache" not in inspect.signature(load_model).parameters:
-        assert "--prefix-cache is not supported" in capsys.readouterr().err
+def test_serve_passes_the_prefix_cache_options_to_load_model(monkeypatch, tmp_path):
+    import cfr_atlas.serve as serve_pkg
+
+    seen = {}
+    monkeypatch.setattr(serve_pkg, "serve", lambda config, **kw: seen.update(kw))
+    assert cli.main(["serve", "--prefix-cache", str(tmp_path), "--prefix-cache-bytes",
+                     "2GiB"]) == 0
+    assert seen == {"prefix_cache": str(tmp_path), "prefix_cache_bytes": "2GiB"}

@@ -19,13 +19,12 @@ import openai
 import pytest
 from serve_support import MODEL, small_budget, start_server
 
-from cfr_atlas.engine import Model, load_model
+from cfr_atlas.engine import load_model
 from cfr_atlas.generate import DEFAULT_CHUNK
 from cfr_atlas.sampling import SamplingParams
 from cfr_atlas.serve.jobs import EmbeddingJob, GenerationJob, GenerationSpec
 from cfr_atlas.serve.params import MAX_SALT_CHARS
 from cfr_atlas.serve.scheduler import Scheduler
-from cfr_atlas.serve.service import salt_supported
 
 LONG = " ".join(["the city of Paris is the capital of France"] * 70)  # > 600 tokens
 
@@ -250,26 +249,9 @@ def test_two_different_salts_in_one_request_are_a_400(server):
     assert r.status_code == 400 and "options.cache_salt" in r.json()["error"]
 
 
-def test_valid_salt_without_engine_support_is_refused(server):
-    if salt_supported(server.service.model):
-        pytest.skip("the engine keys prefix blocks by cache_salt")
-    r = httpx.post(server.url + "/api/generate", timeout=30, json={
-        "model": MODEL, "prompt": "hi", "stream": False, "cache_salt": "tenant-a"})
-    assert r.status_code == 400 and "not supported" in r.json()["error"]
-
-
-def test_salt_reaches_the_session_kwargs(server, monkeypatch):
-    import cfr_atlas.serve.service as service_module
-
-    monkeypatch.setattr(service_module, "salt_supported", lambda model: True)
+def test_salt_reaches_the_session_kwargs(server):
     kw = server.service.session_kw(None, "tenant-a", context_limit=8)
     assert kw == {"context_limit": 8, "cache_salt": "tenant-a"}
-
-
-# LEAD: drop this skip at merge time, once the engine's Model.session(cache_salt=...) is in.
-needs_engine_salt = pytest.mark.skipif(
-    not salt_supported(Model), reason="engine side of cache_salt (Session(cache_salt=...)) "
-                                      "is not on this branch yet")
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +277,6 @@ def _cached(url, salt=None, api="ollama"):
     return r["prompt_eval_cached_count"], r["response"]
 
 
-@needs_engine_salt
 @pytest.mark.parametrize("api", ["ollama", "openai"])
 def test_clients_with_different_salts_never_share_blocks(prefixed, api):
     tag = api + "-"

@@ -4,9 +4,11 @@
     <root>/<2 hex>/.<64 hex>.<pid>.<8 hex>.tmp                      a write in progress
 
 A file appears under its final name only by `os.replace` of a complete, fsynced temp file in
-the same folder, so a reader sees a whole file or none. A temp file is left over only by a
-process that died mid-write; the scan removes those of processes no longer running (and, at
-start, our own pid's: this store has not written yet). This module holds no index or policy.
+the same folder, so a reader sees a whole file or none. Folders are created 0700 and files
+0600 (the umask can only narrow that): cached K/V reveals what was prompted. The writer holds
+an exclusive lock on its temp file until the rename (file_lock.py); the scan removes only temp
+files whose lock it can take, so processes and containers sharing a root never delete each
+other's writes in progress. This module holds no index or policy.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import re
 import uuid
 from pathlib import Path
 
+from cfr_atlas.kv.file_lock import hold_lock, remove_if_abandoned
+
+FOLDER_MODE, FILE_MODE = 0o700, 0o600
 _NAME = re.compile(r"[0-9a-f]{64}\.kvb")
 _TEMP = re.compile(r"\.[0-9a-f]{64}\.(\d+)\.[0-9a-f]+\.tmp")
 _FOLDER = re.compile(r"[0-9a-f]{2}")
@@ -27,31 +32,35 @@ def block_path(root: Path, block_hash: bytes) -> Path:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Temp file in the same folder, write, fsync, `os.replace` onto `path`."""
-    path.parent.mkdir(exist_ok=True)
+    """Locked temp file (0600) in the same folder (0700), write, fsync, `os.replace` onto
+    `path`."""
+    path.parent.mkdir(mode=FOLDER_MODE, exist_ok=True)
     temp = path.parent / f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        with open(temp, "xb") as f:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        with open(fd, "wb") as f:
+            hold_lock(fd)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(temp, path)
+            os.replace(temp, path)  # still locked: the scan never sees an unlocked partial file
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
 
 
 def scan(root: Path) -> list[tuple[bytes, int]]:
-    """(hash, size) of every block file, least recently modified first. Removes temp files of
-    dead processes and block files in the wrong folder (no lookup would ever reach them)."""
+    """(hash, size) of every block file, least recently modified first. Removes abandoned
+    temp files (no writer holds their lock) and block files in the wrong folder (no lookup
+    would ever reach them)."""
     found = []
     for folder in root.iterdir():
         if not (folder.is_dir() and _FOLDER.fullmatch(folder.name)):
             continue
         for path in folder.iterdir():
             temp = _TEMP.fullmatch(path.name)
-            if temp and (int(temp[1]) == os.getpid() or not process_alive(int(temp[1]))):
-                path.unlink(missing_ok=True)
+            if temp:
+                remove_if_abandoned(path, int(temp[1]))
             elif _NAME.fullmatch(path.name) and path.name[:2] != folder.name:
                 path.unlink(missing_ok=True)
             elif _NAME.fullmatch(path.name):
@@ -69,14 +78,3 @@ def same_inode(path: Path, inode: int | None) -> bool:
         return inode is not None and path.stat().st_ino == inode
     except OSError:
         return False
-
-
-def process_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (files named after dead ones are leftovers)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

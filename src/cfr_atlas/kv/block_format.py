@@ -39,7 +39,7 @@ import numpy as np
 from cfr_atlas.errors import CorruptBlockError, IncompatibleBlockError
 from cfr_atlas.kv.signature import CacheSignature, KvBlock
 
-MAGIC, FILE_VERSION = b"CFRKVBLK", 1
+MAGIC, FILE_VERSION = b"CFRKVBLK", 2  # 2: signature v2 (package version, kernel build)
 _HEAD = struct.Struct("<8sII32sIIQ")  # 64 bytes
 SUM_BYTES = 32
 MAX_SIGNATURE_BYTES = 1 << 16

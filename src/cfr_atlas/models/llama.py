@@ -38,6 +38,11 @@ ARCHS = {
 ROPE_SCALINGS = ("none", "linear")
 ROPE_FREQS = "rope_freqs.weight"
 
+# Upper bounds for metadata counts: far above any real model, low enough that a corrupt value
+# is refused before it sizes an allocation.
+LIMITS = {"size": 1 << 20, "heads": 1 << 12, "layers": 1 << 12, "vocab": 1 << 22,
+          "context": 1 << 24}
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -78,20 +83,35 @@ class LlamaConfig:
         def key(name, default=...):
             return gf.meta(f"{arch}.{name}", default)
 
-        dim, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
-        n_kv = int(key("attention.head_count_kv", n_heads))
+        def count(name, default=..., high=LIMITS["size"]):  # a ModelFormatError names the key
+            return gf.meta_int(f"{arch}.{name}", default, high=high)
+
+        def real(name, default, high=math.inf):
+            return gf.meta_float(f"{arch}.{name}", default, high=high)
+
+        dim = count("embedding_length")
+        n_heads = count("attention.head_count", high=LIMITS["heads"])
+        n_kv = count("attention.head_count_kv", n_heads, high=LIMITS["heads"])
         if dim % n_heads or n_heads % n_kv:
             raise ModelFormatError(f"{gf.path.name}: dim {dim}, {n_heads} heads and {n_kv} K/V "
-                                   "heads do not divide evenly")
-        vocab = int(key("vocab_size", len(gf.meta("tokenizer.ggml.tokens", [])) or 0)) or int(
-            gf.tensor("token_embd.weight").shape[1])
+                                   f"heads do not divide evenly ({arch}.embedding_length must "
+                                   "be a multiple of attention.head_count, and that of "
+                                   "attention.head_count_kv)")
+        rope_dims = count("rope.dimension_count", dim // n_heads, high=dim // n_heads)
+        if rope_dims % 2:
+            raise ModelFormatError(f"{gf.path.name}: metadata {arch}.rope.dimension_count = "
+                                   f"{rope_dims} is odd (RoPE rotates pairs)")
+        embd = gf.tensor("token_embd.weight")
+        vocab = count("vocab_size", len(gf.meta("tokenizer.ggml.tokens", []))
+                      or int(embd.shape[1]), high=LIMITS["vocab"])
         return cls(
-            arch=arch, n_layers=int(key("block_count")), dim=dim, n_heads=n_heads,
-            n_kv_heads=n_kv, hidden_dim=int(key("feed_forward_length")), vocab_size=vocab,
-            context_length=int(key("context_length", 4096)),
-            norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
-            rope_dims=int(key("rope.dimension_count", dim // n_heads)),
+            arch=arch, n_layers=count("block_count", high=LIMITS["layers"]), dim=dim,
+            n_heads=n_heads, n_kv_heads=n_kv, hidden_dim=count("feed_forward_length"),
+            vocab_size=vocab, context_length=count("context_length", 4096,
+                                                   high=LIMITS["context"]),
+            norm_eps=real("attention.layer_norm_rms_epsilon", 1e-5, high=1.0),
+            rope_theta=real("rope.freq_base", 10000.0),
+            rope_dims=rope_dims,
             rope_mode=ARCHS[arch]["rope_mode"], rope_freq_scale=rope_freq_scale(gf, arch),
             qkv_bias=ARCHS[arch]["qkv_bias"],
         )

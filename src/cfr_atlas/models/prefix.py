@@ -20,10 +20,12 @@ from pathlib import Path
 import numpy as np
 
 from cfr_atlas.atlas import PageKey, widen
+from cfr_atlas.errors import ConfigError
 from cfr_atlas.kv import CacheSignature, DiskKvStore, KvBlock, PrefixCache, block_hash
 
 DEFAULT_RAM_BYTES = 256 << 20
 DEFAULT_DISK_BYTES = 8 << 30
+MAX_SALT = 4096
 
 
 def default_prefix_dir() -> Path:
@@ -87,11 +89,28 @@ class BlockSource:
             close()
 
 
-class BlockBuilder:
-    """Collects a session's rounded rows into whole blocks and inserts them when complete."""
+def check_salt(cache_salt) -> str:
+    """A request's `cache_salt`: a string of at most MAX_SALT UTF-8 bytes, else ConfigError."""
+    if not isinstance(cache_salt, str) or len(cache_salt.encode("utf-8", "replace")) > MAX_SALT:
+        shown = cache_salt if not isinstance(cache_salt, str) else f"{len(cache_salt)} chars"
+        raise ConfigError("cache_salt", f"must be a string of at most {MAX_SALT} bytes, "
+                                        f"got {shown!r:.80}")
+    return cache_salt
 
-    def __init__(self, cache: PrefixCache):
-        self.cache = cache
+
+def salted_root(cache: PrefixCache, cache_salt: str = "") -> bytes:
+    """The chain root of a session: the cache's signature plus the request's `cache_salt`
+    (an extra key of the root, so every block hash of two salts differs; "" = no salt, the
+    shared namespace)."""
+    return cache.root(("cache_salt", check_salt(cache_salt)) if cache_salt else ())
+
+
+class BlockBuilder:
+    """Collects a session's rounded rows into whole blocks and inserts them when complete;
+    block hashes chain from `root` (`salted_root`)."""
+
+    def __init__(self, cache: PrefixCache, root: bytes):
+        self.cache, self.root = cache, root
         self.sig = cache.signature
         self.chain: list[bytes] = []
         self.pending: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -119,7 +138,7 @@ class BlockBuilder:
         while (len(self.chain) + 1) * B <= n_tokens:
             b = len(self.chain)
             ids = np.asarray(token_ids[b * B:(b + 1) * B], dtype=np.int64)
-            parent = self.chain[-1] if self.chain else self.cache.root()
+            parent = self.chain[-1] if self.chain else self.root
             h = block_hash(parent, ids)
             self.chain.append(h)
             k, v = self.pending.pop(b)

@@ -15,7 +15,7 @@ import numpy as np
 from cfr_atlas.atlas import Atlas, AtlasConfig, KeepAll, KeepRecent, PageKey, round_rows, widen
 from cfr_atlas.errors import ConfigError, RegeneratorError
 from cfr_atlas.kv import SpillKv
-from cfr_atlas.models.prefix import BlockBuilder, BlockSource
+from cfr_atlas.models.prefix import BlockBuilder, BlockSource, check_salt, salted_root
 from cfr_atlas.models.recompute import RecomputeKv
 
 UNBOUNDED = 1 << 40
@@ -23,18 +23,18 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10,
           "MIB": 1 << 20, "GIB": 1 << 30, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
-def parse_bytes(value) -> int:
-    """'16MiB', '4 GB', 1048576 -> bytes. Bad or negative sizes raise ConfigError."""
+def parse_bytes(value, field: str = "kv_budget") -> int:
+    """'16MiB', '4 GB', 1048576 -> bytes. Bad or negative sizes raise ConfigError(field)."""
     if isinstance(value, int) and not isinstance(value, bool):
         n = value
     else:
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
         if not m or m.group(2).upper() not in _UNITS:
-            raise ConfigError("kv_budget", f"cannot read {value!r} as a size; use e.g. 512KiB, "
-                                           "16MiB, 1GiB")
+            raise ConfigError(field, f"cannot read {value!r} as a size; use e.g. 512KiB, "
+                                     "16MiB, 1GiB")
         n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
     if n < 0 or n > UNBOUNDED:
-        raise ConfigError("kv_budget", f"{n} bytes is outside [0, 2**40]")
+        raise ConfigError(field, f"{n} bytes is outside [0, 2**40]")
     return n
 
 
@@ -50,9 +50,11 @@ class Session:
 
     def __init__(self, model, *, kv_budget=None, regenerator: str = "spill", policy=None,
                  storage_dtype: str = "float32", page_tokens: int = 256, cache_dir=None,
-                 context_limit: int | None = None, prefetch_pages: int = 0, prefix=None):
+                 context_limit: int | None = None, prefetch_pages: int = 0, prefix=None,
+                 cache_salt: str = ""):
         c = model.config
         self.model = model
+        check_salt(cache_salt)  # keys the prefix blocks: other salts never share one
         self.context_limit = c.context_length if context_limit is None else context_limit
         probe = AtlasConfig(page_tokens=page_tokens, head_dim=c.head_dim,
                             storage_dtype=storage_dtype)
@@ -95,7 +97,8 @@ class Session:
         self._heads = list(range(c.n_kv_heads))
         # prefix reuse: a PrefixCache for this page size and dtype, when the model has one
         self.prefix = None if prefix is None else prefix.cache(page_tokens, storage_dtype)
-        self._builder = None if self.prefix is None else BlockBuilder(self.prefix)
+        self._builder = None if self.prefix is None else \
+            BlockBuilder(self.prefix, salted_root(self.prefix, cache_salt))
 
     def map_prefix(self, ids: np.ndarray) -> int:
         """At the start of a sequence: reuse the longest cached run of whole blocks of `ids`
@@ -104,7 +107,7 @@ class Session:
             return 0
         B = self.prefix.signature.block_tokens
         usable = (len(ids) - 1) // B * B
-        blocks = self.prefix.lookup(self.prefix.root(), ids[:usable]) if usable else []
+        blocks = self.prefix.lookup(self._builder.root, ids[:usable]) if usable else []
         if not blocks:
             return 0
         dtype = self.atlas.config.dtype

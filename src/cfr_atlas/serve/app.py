@@ -8,7 +8,6 @@ loads the model and runs uvicorn (loopback unless told otherwise). Routing-level
 
 from __future__ import annotations
 
-import inspect
 import logging
 import sys
 from contextlib import asynccontextmanager
@@ -78,24 +77,14 @@ def create_app(model, config: ServerConfig | None = None) -> Starlette:
     return app
 
 
-def load_for_serving(path: str | None, prefix_cache: str | None):
-    """load_model(path), passing `prefix_cache=` once the engine accepts it."""
-    from cfr_atlas.engine import load_model
-
-    if prefix_cache is None:
-        return load_model(path)
-    if "prefix_cache" in inspect.signature(load_model).parameters:
-        return load_model(path, prefix_cache=prefix_cache)
-    print("cfr-atlas: warning: --prefix-cache is not supported by this engine yet; serving "
-          "without a prefix cache", file=sys.stderr)
-    return load_model(path)
-
-
-def serve(config: ServerConfig, prefix_cache: str | None = None) -> None:
-    """Load the model and serve it with uvicorn until interrupted."""
+def serve(config: ServerConfig, **load_kw) -> None:
+    """Load the model (`load_model(config.model_path, **load_kw)`: prefix_cache,
+    prefix_cache_bytes) and serve it with uvicorn until interrupted."""
     import uvicorn
 
-    model = load_for_serving(config.model_path, prefix_cache)
+    from cfr_atlas.engine import load_model
+
+    model = load_model(config.model_path, **load_kw)
     model.generate("hi", max_tokens=2)  # compile the kernels before a client waits for them
     app = create_app(model, config)
     if config.host not in ("127.0.0.1", "localhost", "::1"):

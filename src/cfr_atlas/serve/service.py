@@ -11,7 +11,6 @@ settings `cfr-atlas serve` exposes. HTTP, JSON and response shapes live in the a
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,7 +19,6 @@ import numpy as np
 
 from cfr_atlas.errors import CapacityError, ConfigError
 from cfr_atlas.generate import check_ids
-from cfr_atlas.models.session import Session
 from cfr_atlas.serve.card import ModelCard
 from cfr_atlas.serve.jobs import Channel, EmbeddingJob, GenerationJob, GenerationSpec, Job
 from cfr_atlas.serve.params import GenOptions
@@ -51,12 +49,6 @@ def shrink(vector: np.ndarray, dims: int | None) -> list[float]:
         return vector.tolist()
     v = vector[:dims].astype(np.float64)
     return (v / max(float(np.linalg.norm(v)), 1e-12)).astype(np.float32).tolist()
-
-
-def salt_supported(model) -> bool:
-    """Whether `model.session(cache_salt=...)` keys prefix blocks by the salt (engine side)."""
-    return any("cache_salt" in inspect.signature(f).parameters
-               for f in (Session.__init__, model.session))
 
 
 class Handle:
@@ -129,13 +121,11 @@ class Service:
 
     def session_kw(self, kv_budget: int | None, cache_salt: str | None, **kw) -> dict:
         """Session kwargs of one request: the budget under the ceiling, the page folder, and
-        the prefix-cache salt (refused if this engine cannot keep salted blocks apart)."""
+        the prefix-cache salt (blocks of different salts are never shared)."""
         budget = self.kv_budget(kv_budget)
         if budget is not None:
             kw.update(kv_budget=budget, cache_dir=self.config.cache_dir)
         if cache_salt is not None:
-            if not salt_supported(self.model):
-                raise ConfigError("cache_salt", "is not supported by this engine yet")
             kw["cache_salt"] = cache_salt
         return kw
 
