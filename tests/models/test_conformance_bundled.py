@@ -86,7 +86,7 @@ def test_validate_small(model, tmp_path):
 
 
 def test_greedy_generation_is_deterministic_run_to_run(model, tmp_path):
-    prompt = model.chat_prompt([{"role": "user", "content": "Name three colours."}])
+    prompt = model.chat_ids([{"role": "user", "content": "Name three colours."}])
     first = model.generate(prompt, max_tokens=24)
     fingerprint = model.last_telemetry["logits_sha256"]
     assert model.generate(prompt, max_tokens=24) == first
