@@ -59,13 +59,18 @@ class Model:
     # --- sessions and logits ---------------------------------------------------------------
     def session(self, **kv) -> Session:
         """A fresh sequence: kv_budget, regenerator, policy, storage_dtype, page_tokens,
-        cache_dir (see `Session`)."""
+        cache_dir, context_limit (see `Session`)."""
         return Session(self.net, prefix=self.prefix, **kv)
+
+    def _sized(self, n_tokens: int, kv: dict) -> dict:
+        """Session options for a sequence that will hold at most `n_tokens` tokens: the
+        context limit (unless given) is that, so budgeted buffers are sized to it."""
+        return {"context_limit": min(n_tokens, self.config.context_length), **kv}
 
     def logits(self, ids, *, chunk_tokens: int = DEFAULT_CHUNK, **kv) -> np.ndarray:
         """Next-token logits at every position: (len(ids), vocab) float32."""
         ids = check_ids(ids, self.config.vocab_size)
-        with _closing(self.session(**kv)) as s:
+        with _closing(self.session(**self._sized(len(ids), kv))) as s:
             out = prefill(self.net, s, ids, chunk_tokens=chunk_tokens, all_logits=True)
             self.last_telemetry = s.telemetry_summary()
         return out
@@ -73,18 +78,22 @@ class Model:
     def next_logits(self, ids, *, chunk_tokens: int = DEFAULT_CHUNK, **kv) -> np.ndarray:
         """Logits after the whole prompt: (vocab,) float32 == logits(ids)[-1]."""
         ids = check_ids(ids, self.config.vocab_size)
-        with _closing(self.session(**kv)) as s:
+        with _closing(self.session(**self._sized(len(ids), kv))) as s:
             out = prefill(self.net, s, ids, chunk_tokens=chunk_tokens)[0]
             self.last_telemetry = s.telemetry_summary()
         return out
 
     def embedding(self, text: str | list[int], **kv) -> np.ndarray:
-        """Mean of the final normalized hidden states over the input, L2-normalized: (dim,)."""
+        """Mean of the final normalized hidden states over the input, L2-normalized: (dim,).
+
+        Session options (kv_budget, regenerator, cache_dir, ...) apply as for `logits`: under
+        a kv_budget the K/V really allocated stays within it (see `last_telemetry`)."""
         ids = check_ids(self.tokenize(text) if isinstance(text, str) else text,
                         self.config.vocab_size)
-        with _closing(self.session(**kv)) as s:
+        with _closing(self.session(**{"context_limit": len(ids), **kv})) as s:
             h = np.concatenate([self.net.forward_chunk(s, ids[a:a + DEFAULT_CHUNK], hidden=True)
                                 for a in range(0, len(ids), DEFAULT_CHUNK)])
+            self.last_telemetry = s.telemetry_summary()
         v = h.astype(np.float64).mean(axis=0)
         return (v / max(np.linalg.norm(v), 1e-12)).astype(np.float32)
 
@@ -100,7 +109,7 @@ class Model:
         stops = [stop] if isinstance(stop, str) else [s for s in stop if s]
         decoder, held, timer, n = StreamDecoder(self.tokenizer), "", Timer(), 0
         digest = hashlib.sha256()  # of every step's logits: a cheap bitwise fingerprint
-        with _closing(self.session(**kv)) as s:
+        with _closing(self.session(**self._sized(len(ids) + max_tokens, kv))) as s:
             steps = generate_steps(self.net, s, ids, params, max_tokens=max_tokens,
                                    eos_ids=self.tokenizer.eos_ids, chunk_tokens=chunk_tokens)
             for step in steps:

@@ -148,6 +148,14 @@ class SpillKv:
             key, n = self._plan.popleft()
             self._inflight.append((key, n, self._pool.submit(self._read, key, n)))
 
+    def buffer_bytes(self) -> int:
+        """Bytes of page reads held in memory now (read-ahead results not yet used)."""
+        held = 0
+        for _, _, fut in list(self._inflight):
+            if fut.done() and fut.exception() is None:
+                held += sum(len(part) for part in fut.result())
+        return held
+
     def regenerate_page(self, key: PageKey, tokens: range, k_out: np.ndarray,
                         v_out: np.ndarray) -> None:
         n = len(tokens)
