@@ -34,11 +34,10 @@ def ids(model):
 
 
 def _stored_rows(session, key: PageKey, n: int):
-    lay = session.atlas.cache.layers[key.layer]
-    slot, have = session.atlas.cache.page_state(key)
-    assert slot >= 0 and have == n, "the unbounded path must hold every page"
+    rows = session.atlas.cache.read(key, n)
+    assert rows is not None, "the unbounded path must hold every page"
     dt = session.atlas.config.dtype
-    return widen(np.ascontiguousarray(lay.k[slot, :, :n].T), dt), widen(lay.v[slot, :n], dt)
+    return widen(rows[0], dt), widen(rows[1], dt)
 
 
 @pytest.mark.parametrize("regen", ["spill", "recompute"])

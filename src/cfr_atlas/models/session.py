@@ -213,7 +213,7 @@ class Session:
         out["page_file_buffers"] = backend.buffer_bytes() if isinstance(backend, SpillKv) else 0
         out["recompute_inputs"] = backend.allocated_bytes if isinstance(backend, RecomputeKv) \
             else 0
-        out["prefix_blocks"] = sum(b.nbytes for b in blocks)
+        out["prefix_blocks"] = sum(b.k.nbytes + b.v.nbytes + b.token_ids.nbytes for b in blocks)
         return out
 
     def allocated_bytes(self) -> int:
