@@ -126,13 +126,14 @@ class Session:
 
     def _new_atlas(self, held_elsewhere: int) -> Atlas:
         """An Atlas whose slot pool gets what the budget leaves after the fixed bytes and
-        `held_elsewhere` (prefix blocks); never more than the context limit can fill."""
-        if self.budget is None:
-            return Atlas(AtlasConfig(**self._geometry, hot_cache_bytes=UNBOUNDED,
-                                     admit_regenerated_pages=True))
+        `held_elsewhere` (prefix blocks); never more than the context limit can fill.
+        Unbounded: the pool grows (no budget to preallocate) up to what the context can fill."""
         c = self.model.config
         probe = AtlasConfig(**self._geometry)
         pages = c.n_layers * c.n_kv_heads * page_count(self.context_limit, probe.page_tokens)
+        if self.budget is None:
+            return Atlas(AtlasConfig(**self._geometry, admit_regenerated_pages=True,
+                                     hot_cache_bytes=min(UNBOUNDED, pages * probe.page_bytes)))
         hot = min(self.budget - self.reserved_bytes - held_elsewhere, pages * probe.page_bytes)
         return Atlas(AtlasConfig(**self._geometry, hot_cache_bytes=max(0, hot),
                                  admit_regenerated_pages=True, preallocate_hot_cache=True))
