@@ -174,8 +174,9 @@ def _traced_while_alive(model, ids, budget, tmp_path) -> tuple[int, int]:
 
 
 def test_process_memory_follows_the_budget(tiny_gguf, tmp_path):
-    """A 4-layer model with 16 KiB of K/V per token over 3,000 tokens (47 MiB of K/V): what the
-    process holds while the sequence lives grows by the budget difference, within 5%."""
+    """A 4-layer model with 8 KiB of K/V per token over 3,000 tokens (23 MiB of K/V): what the
+    process holds while the sequence lives grows by the budget difference, within 5% (measured
+    here: 15.29 MB for a 15.73 MB difference, the slot pool rounding down to whole slots)."""
     path = tiny_gguf(arch="llama", qtype="Q8_0", n_layers=4, dim=256, n_heads=4, n_kv_heads=4,
                      hidden_dim=256, context_length=4096)
     model = load_model(path)
