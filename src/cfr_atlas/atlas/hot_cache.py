@@ -80,8 +80,9 @@ class HotCache:
         self._pending: list[int] = []  # slots evicted inside a transaction
         self._stolen: set[int] = set()  # pending slots handed to a new page in this transaction
         # slot -> position in the running fold's walk; a slot at or after `_folded` is still
-        # to be read, so it is never handed out
-        self._protected: dict[int, int] = {}
+        # to be read, so it is never handed out (built only when a slot must be reused)
+        self._walk: tuple | None = None
+        self._protected: dict[int, int] | None = None
         self._folded = 0
         # The ranking of resident pages by policy priority, valid while the set of resident
         # pages (the epoch counts admissions and evictions), the policy, the context and, for
@@ -151,17 +152,22 @@ class HotCache:
     def begin(self) -> None:
         self._journal = []
 
-    def protect(self, slots: list[int], positions: list[int]) -> None:
-        """Slots the running fold reads, at these walk positions: their rows must survive
-        until `folded_up_to` passes them."""
-        self._protected = dict(zip(slots, positions, strict=True))
-        self._folded = 0
+    def protect(self, slots: np.ndarray, hot: np.ndarray) -> None:
+        """The running fold reads slots[hot] (walk position = flat index): their rows must
+        survive until `folded_up_to` passes them. Kept by reference, read only if needed."""
+        self._walk, self._protected, self._folded = (slots, hot), None, 0
 
     def folded_up_to(self, position: int) -> None:
         """The running fold has read every page before walk position `position`."""
         self._folded = position
 
     def _reusable(self, slot: int) -> bool:
+        if self._protected is None:
+            self._protected = {}
+            if self._walk is not None:
+                slots, hot = self._walk
+                self._protected = dict(zip(slots[hot].tolist(), np.flatnonzero(hot).tolist(),
+                                           strict=True))
         return self._protected.get(slot, -1) < self._folded
 
     def commit(self) -> None:
@@ -171,7 +177,7 @@ class HotCache:
     def _end(self) -> None:
         self._pending.clear()
         self._stolen.clear()
-        self._protected = {}
+        self._walk, self._protected = None, None
         self._journal = None
 
     def touch(self, layer: int, heads: np.ndarray, lo: int, hot: np.ndarray, tick: int) -> None:

@@ -346,7 +346,7 @@ class Atlas:
             c.evictions += 1
         self.cache.touch(layer, hidx, lo, hot, self._tick)
         # the walk reads hot pages from their slots: none is reused before it was folded
-        self.cache.protect(slots[hot].tolist(), np.flatnonzero(hot).tolist())
+        self.cache.protect(slots, hot)
 
         prefetch = getattr(backend, "prefetch", None)
         if prefetch is not None and not hot.all():  # a hint: the misses, in fold order
