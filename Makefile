@@ -22,7 +22,7 @@ run: $(STAMP)
 		"Explain in two sentences why the sky is blue."
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not hf"
+	$(BIN)/python -m pytest -p no:cacheprovider -m "not hf"
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -153,6 +153,7 @@ def telemetry_lines(t: dict) -> list[str]:
     return [
         f"kv budget        {_fmt_bytes(t['budget_bytes'])}",
         f"peak resident kv {_fmt_bytes(t['peak_resident_kv_bytes'])}",
+        f"allocated kv     {_fmt_bytes(t['peak_allocated_kv_bytes'])} (peak, as allocated)",
         f"full kv          {_fmt_bytes(t['full_kv_bytes'])}",
         f"pages regen'd    {t['pages_regenerated']:,}",
         f"hot hit rate     {t['hot_hit_rate']:.1%}",

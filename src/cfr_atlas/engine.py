@@ -67,15 +67,20 @@ class Model:
     # --- sessions and logits ---------------------------------------------------------------
     def session(self, **kv) -> Session:
         """A fresh sequence: kv_budget, regenerator, policy, storage_dtype, page_tokens,
-        cache_dir, cache_salt (see `Session`). Every method below that takes `**kv` passes
-        them here; `cache_salt` (str, default "" = none) keys the prefix cache's blocks, so
-        requests with different salts never share cached K/V."""
+        cache_dir, context_limit, cache_salt (see `Session`). Every method below that takes
+        `**kv` passes them here; `cache_salt` (str, default "" = none) keys the prefix cache's
+        blocks, so requests with different salts never share cached K/V."""
         return Session(self.net, prefix=self.prefix, **kv)
+
+    def _sized(self, n_tokens: int, kv: dict) -> dict:
+        """Session options for a sequence that will hold at most `n_tokens` tokens: the
+        context limit (unless given) is that, so budgeted buffers are sized to it."""
+        return {"context_limit": min(n_tokens, self.config.context_length), **kv}
 
     def logits(self, ids, *, chunk_tokens: int = DEFAULT_CHUNK, **kv) -> np.ndarray:
         """Next-token logits at every position: (len(ids), vocab) float32."""
         ids = check_ids(ids, self.config.vocab_size)
-        with _closing(self.session(**kv)) as s:
+        with _closing(self.session(**self._sized(len(ids), kv))) as s:
             out = prefill(self.net, s, ids, chunk_tokens=chunk_tokens, all_logits=True)
             self.last_telemetry = s.telemetry_summary()
         return out
@@ -83,18 +88,22 @@ class Model:
     def next_logits(self, ids, *, chunk_tokens: int = DEFAULT_CHUNK, **kv) -> np.ndarray:
         """Logits after the whole prompt: (vocab,) float32 == logits(ids)[-1]."""
         ids = check_ids(ids, self.config.vocab_size)
-        with _closing(self.session(**kv)) as s:
+        with _closing(self.session(**self._sized(len(ids), kv))) as s:
             out = prefill(self.net, s, ids, chunk_tokens=chunk_tokens)[0]
             self.last_telemetry = s.telemetry_summary()
         return out
 
     def embedding(self, text: str | list[int], **kv) -> np.ndarray:
-        """Mean of the final normalized hidden states over the input, L2-normalized: (dim,)."""
+        """Mean of the final normalized hidden states over the input, L2-normalized: (dim,).
+
+        Session options (kv_budget, regenerator, cache_dir, ...) apply as for `logits`: under
+        a kv_budget the K/V really allocated stays within it (see `last_telemetry`)."""
         ids = check_ids(self.tokenize(text) if isinstance(text, str) else text,
                         self.config.vocab_size)
-        with _closing(self.session(**kv)) as s:
+        with _closing(self.session(**{"context_limit": len(ids), **kv})) as s:
             h = np.concatenate([self.net.forward_chunk(s, ids[a:a + DEFAULT_CHUNK], hidden=True)
                                 for a in range(0, len(ids), DEFAULT_CHUNK)])
+            self.last_telemetry = s.telemetry_summary()
         return mean_pool(h)
 
     # --- generation ------------------------------------------------------------------------
@@ -113,7 +122,7 @@ class Model:
         stops = [stop] if isinstance(stop, str) else [s for s in stop if s]
         decoder, held, timer, n = StreamDecoder(self.tokenizer), "", Timer(), 0
         digest = hashlib.sha256()  # of every step's logits: a cheap bitwise fingerprint
-        with _closing(self.session(**kv)) as s:
+        with _closing(self.session(**self._sized(len(ids) + max_tokens, kv))) as s:
             steps = generate_steps(self.net, s, ids, params, max_tokens=max_tokens,
                                    eos_ids=self.tokenizer.eos_ids, chunk_tokens=chunk_tokens)
             for step in steps:

@@ -139,8 +139,8 @@ def cache_state(atlas: Atlas) -> dict:
         for h, p in zip(*np.nonzero(lay.slot >= 0), strict=True):
             slot, n = int(lay.slot[h, p]), int(lay.tokens[h, p])
             pages[(layer_id, int(h), int(p))] = (slot, n, int(lay.last_use[h, p]),
-                                                 lay.k[slot, :, :n].tobytes(),
-                                                 lay.v[slot, :n].tobytes())
+                                                 cache.k[slot, :, :n].tobytes(),
+                                                 cache.v[slot, :n].tobytes())
     per_layer = {layer_id: lay.bytes for layer_id, lay in cache.layers.items()}
     return {"pages": pages, "resident_bytes": cache.resident_bytes,
             "resident_pages": cache.resident_pages(),
@@ -169,24 +169,33 @@ def same_tables(before: dict, after: dict) -> bool:
 
 
 def check_accounting(atlas: Atlas) -> None:
-    """Assert the hot-cache invariants of `HotCache` through its tables."""
+    """Assert the hot-cache invariants of `HotCache` through its tables and its pool."""
     cfg, cache = atlas.config, atlas.cache
-    total = 0
+    total, held, all_slots = 0, 0, []
     for layer_id, lay in cache.layers.items():
         resident = lay.slot >= 0
         layer_bytes = int(lay.tokens[resident].sum()) * cfg.row_bytes
         assert lay.bytes == layer_bytes, (layer_id, lay.bytes, layer_bytes)
-        assert layer_bytes <= cache.layer_budget(layer_id)
+        assert lay.slots == int(resident.sum())
+        assert lay.slots * cfg.page_bytes <= cache.layer_budget(layer_id)
         assert (lay.tokens[~resident] == 0).all()
         assert ((lay.tokens[resident] >= 1) & (lay.tokens[resident] <= cfg.page_tokens)).all()
-        slots = lay.slot[resident].tolist()
-        assert len(set(slots)) == len(slots), "two pages share a slot"
-        assert not set(slots) & set(lay.free), "a resident slot is on the free list"
-        assert len(set(lay.free)) == len(lay.free)
-        assert all(0 <= s < lay.k.shape[0] for s in slots + lay.free)
+        all_slots += lay.slot[resident].tolist()
         total += layer_bytes
-    assert cache.resident_bytes == total
-    assert total <= cfg.hot_cache_bytes
+        held += lay.slots
+    assert len(set(all_slots)) == len(all_slots), "two pages share a slot"
+    assert not set(all_slots) & set(cache.free), "a resident slot is on the free list"
+    assert len(set(cache.free)) == len(cache.free)
+    assert sorted(all_slots + cache.free) == list(range(cache.k.shape[0])), "a slot was lost"
+    assert cache.resident_bytes == total and cache.held_slots == held
+    assert total <= held * cfg.page_bytes <= cfg.hot_cache_bytes
+    # what is allocated, measured from the arrays, never exceeds the budget
+    assert cache.k.nbytes + cache.v.nbytes == cache.k.shape[0] * cfg.page_bytes
+    assert cache.k.nbytes + cache.v.nbytes <= cfg.hot_cache_bytes
     tel = atlas.telemetry()
-    assert tel.resident_bytes == total
+    assert tel.resident_bytes == total and tel.held_bytes == held * cfg.page_bytes
     assert tel.peak_resident_bytes >= tel.resident_bytes
+    assert tel.allocated_bytes == (cache.k.nbytes + cache.v.nbytes + atlas._scratch_k.nbytes
+                                   + atlas._scratch_v.nbytes + atlas._stage_k.nbytes
+                                   + atlas._stage_v.nbytes)
+    assert tel.peak_allocated_bytes >= tel.allocated_bytes

@@ -6,7 +6,9 @@ after every step that:
 - resident bytes <= the budget, and each layer's bytes <= its layer budget;
 - sum over resident pages of tokens * row_bytes == the reported resident bytes (and per layer);
 - peak resident bytes >= resident bytes; no two pages share a slot;
-- a failed call leaves the cache exactly as it was, scratch all zeros;
+- a failed call leaves the cache as it was (bar victims whose slot the call reused, which stay
+  evicted), scratch all zeros;
+- the slot pool as allocated (nbytes) never exceeds the budget;
 - every successful attend is bitwise equal to an unbounded Atlas.
 """
 
@@ -106,8 +108,13 @@ class HotCacheMachine(RuleBasedStateMachine):
             got = self.atlas.attend(bad, req, policy)
         except (RegeneratorError, NumericError) as e:
             assert bad.failed_key is not None and e.key == bad.failed_key
-            assert cache_state(self.atlas) == before
-            assert same_tables(before_tables, tables(self.atlas))
+            after = cache_state(self.atlas)
+            # restored, except victims whose slot a new page of the failed call took over
+            # (the pool never grows past the budget to keep them): those stay evicted
+            assert after["pages"].items() <= before["pages"].items()
+            if after["pages"] == before["pages"]:
+                assert after == before
+                assert same_tables(before_tables, tables(self.atlas))
             assert not self.atlas._scratch_k.any() and not self.atlas._scratch_v.any()
         else:
             assert bad.failed_key is None  # fewer regenerations than fail_at: a normal call

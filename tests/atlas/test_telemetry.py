@@ -87,3 +87,36 @@ def test_scratch_bytes_count_16bit_staging_rows():
     cfg = AtlasConfig(page_tokens=P, head_dim=D, storage_dtype="bfloat16", max_scratch_tokens=3 * P)
     tel = Atlas(cfg).telemetry()
     assert tel.scratch_bytes == 3 * P * 2 * D * 2 + 2 * P * D * 4  # 3 pages + float32 staging
+
+
+def test_a_partial_page_is_charged_a_whole_slot_and_the_pool_stays_within_budget():
+    budget = int(2.5 * P * ROW_BYTES)  # room for 2 slots, not 3
+    atlas = Atlas(AtlasConfig(page_tokens=P, head_dim=D, hot_cache_bytes=budget,
+                              admit_regenerated_pages=True))
+    one = np.ones((1, 3, D), np.float32)
+    atlas.write_rows(0, 0, one, one)  # 3 heads x 1 token: three partial pages, 2 slots
+    tel = atlas.telemetry()
+    assert tel.resident_pages == 2 and tel.resident_bytes == 2 * ROW_BYTES
+    assert tel.held_bytes == 2 * P * ROW_BYTES <= budget
+    assert atlas.cache.k.nbytes + atlas.cache.v.nbytes <= budget
+
+
+def test_a_preallocated_pool_is_allocated_once_and_never_reallocated():
+    budget = 5 * P * ROW_BYTES
+    atlas = Atlas(AtlasConfig(page_tokens=P, head_dim=D, hot_cache_bytes=budget,
+                              admit_regenerated_pages=True, preallocate_hot_cache=True))
+    syn = synthetic(D)
+    assert atlas.cache.k.nbytes == 0  # nothing until the first admission
+    atlas.attend(syn, AttentionRequest(0, 0, np.ones(D, np.float32), 2), KeepAll())
+    pool = atlas.cache.k, atlas.cache.v
+    assert pool[0].nbytes + pool[1].nbytes == budget
+    for context in range(3, 60, 5):
+        for layer in (0, 1):
+            atlas.attend(syn, AttentionRequest(layer, 1, np.ones(D, np.float32), context),
+                         KeepAll())
+    assert atlas.cache.k is pool[0] and atlas.cache.v is pool[1]
+    tel = atlas.telemetry()
+    assert tel.allocated_bytes == budget + atlas.config.scratch_bytes
+    assert tel.peak_allocated_bytes == tel.allocated_bytes
+    atlas.reset()  # releases the pool
+    assert atlas.telemetry().allocated_bytes == atlas.config.scratch_bytes

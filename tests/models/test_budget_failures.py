@@ -9,6 +9,7 @@ from cfr_atlas.engine import load_model
 from cfr_atlas.errors import CapacityError, CorruptPageError
 from cfr_atlas.generate import prefill
 from cfr_atlas.kv import page_file
+from cfr_atlas.models.session import fixed_kv_bytes
 
 IDS = np.array([5, 77, 300, 12, 9, 256, 257, 1, 42, 99, 150, 3, 7, 8, 31, 200], dtype=np.int64)
 KV = dict(kv_budget="3KiB", page_tokens=4)
@@ -107,6 +108,9 @@ def test_two_sessions_share_a_cache_dir_without_collisions(model, tmp_path):
 @pytest.mark.parametrize("prefetch", [0, 2, 8])
 def test_prefetch_depth_changes_nothing(model, tmp_path, prefetch):
     base = model.logits(IDS, page_tokens=4)
-    got = model.logits(IDS, cache_dir=tmp_path, kv_budget=(prefetch + 2) * 512, page_tokens=4,
+    # the smallest budget: scratch, staging and the page reads (in progress + read ahead)
+    smallest = sum(fixed_kv_bytes(model.config, page_tokens=4, context_limit=len(IDS),
+                                  prefetch_pages=prefetch).values())
+    got = model.logits(IDS, cache_dir=tmp_path, kv_budget=smallest, page_tokens=4,
                        prefetch_pages=prefetch, chunk_tokens=3)
     assert np.array_equal(got, base)

@@ -11,6 +11,7 @@ from reference import reference_logits
 
 from cfr_atlas.atlas import LRU, KeepAll, KeepRecent, KeepSinksAndRecent, NeverAdmit
 from cfr_atlas.engine import load_model
+from cfr_atlas.models.session import fixed_kv_bytes
 
 IDS = [5, 77, 300, 12, 9, 256, 257, 1, 42, 99, 150, 3, 7, 8, 431, 200, 18, 64, 65, 66, 10]
 
@@ -49,8 +50,11 @@ def test_budgeted_logits_are_bitwise_equal(llama, tmp_path, budget, policy, rege
     page = 4
     base = llama.logits(IDS, page_tokens=page)
     page_bytes = page * llama.config.head_dim * 2 * 4
-    reserved = 4 if regen == "spill" else 2  # scratch + staging (+ two read-ahead for spill)
-    got = llama.logits(IDS, page_tokens=page, kv_budget=(budget + reserved) * page_bytes,
+    # what the sequence allocates before any page is hot: scratch, staging, the page read
+    # buffer (spill) or the kept layer inputs (recompute); the rest holds `budget` slots
+    reserved = sum(fixed_kv_bytes(llama.config, regenerator=regen, page_tokens=page,
+                                  context_limit=len(IDS)).values())
+    got = llama.logits(IDS, page_tokens=page, kv_budget=reserved + budget * page_bytes,
                        policy=policy,
                        cache_dir=tmp_path, chunk_tokens=5, regenerator=regen)
     assert np.array_equal(got, base)

@@ -48,7 +48,9 @@ class AtlasConfig:
     K + V bytes (0 = nothing stays hot); layer_budgets: optional {layer: bytes} ceilings inside the
     global one; max_scratch_tokens: scratch rows for regenerated pages (a multiple of pages,
     at least one page); split_pages: pages per fold partition (a fixed split, merged in order, so
-    the result never depends on thread count or budget).
+    the result never depends on thread count or budget); preallocate_hot_cache: allocate the
+    hot cache's whole slot pool (hot_cache_bytes // page_bytes slots) at its first admission,
+    instead of growing it (a budgeted sequence: no reallocation, no copy, never above budget).
     """
 
     page_tokens: int
@@ -61,6 +63,7 @@ class AtlasConfig:
     storage_dtype: str = "float32"
     layer_budgets: dict[int, int] | None = field(default=None, hash=False)
     split_pages: int = 4
+    preallocate_hot_cache: bool = False
 
     def __post_init__(self):
         _int_field("page_tokens", self.page_tokens, minimum=1, maximum=MAX_PAGE_TOKENS)
@@ -69,7 +72,7 @@ class AtlasConfig:
         _int_field("split_pages", self.split_pages, minimum=1, maximum=1 << 20)
         if self.scale is not None:
             _float_field("scale", self.scale, positive=True)
-        for name in ("admit_regenerated_pages", "wipe_scratch_after_use"):
+        for name in ("admit_regenerated_pages", "wipe_scratch_after_use", "preallocate_hot_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
         try:

@@ -1,23 +1,32 @@
-"""The hot cache: resident K/V pages under a byte budget, with exact accounting and undo.
+"""The hot cache: resident K/V pages in one slot pool bounded by a byte budget, with undo.
 
-Storage is one growable slab per layer: `k` (slots, head_dim, page_tokens) holds K pages
-transposed (the fold's score loop runs across keys), `v` (slots, page_tokens, head_dim) holds
-V rows, both in the storage dtype; a page occupies one slot. `admit` and `grow` take rows.
+Storage is one pool of page slots shared by every layer: `k` (slots, head_dim, page_tokens)
+holds K pages transposed (the fold's score loop runs across keys), `v` (slots, page_tokens,
+head_dim) holds V rows, both in the storage dtype. A resident page occupies one whole slot,
+however many rows it holds, so the budget is charged per slot: `held_bytes` = slots held x
+page_bytes. The pool never has more than `capacity` = hot_cache_bytes // page_bytes slots, so
+the bytes really allocated (`allocated_bytes`, the arrays' nbytes) never exceed the budget.
+With `config.preallocate_hot_cache` the whole pool is allocated on first use (once, no copy
+ever); otherwise it grows geometrically up to the capacity (an unbounded cache).
+
 Per layer, three tables indexed [kv_head, page_index] say where a page lives (`slot`, -1 when
 not resident), how many tokens it holds (`tokens`) and when it was last used (`last_use`, a
 call counter). The fold reads the tables with NumPy, so an all-hot call costs no per-page
-Python.
+Python. Only this class writes them: the runtime asks it to `admit`, `grow`, `append`,
+`evict`, `truncate`.
 
 Invariants (checked by the stateful test):
-- resident_bytes == sum over resident pages of tokens * row_bytes, and per layer likewise;
-- resident_bytes <= budget and layer_bytes[layer] <= layer budget, always;
+- held_bytes == slots held x page_bytes <= budget, and per layer <= the layer budget;
+- resident_bytes == sum over resident pages of tokens * row_bytes <= held_bytes (logical rows);
+- allocated_bytes == k.nbytes + v.nbytes <= capacity x page_bytes <= budget;
 - a slot is in exactly one of: a table entry, the free list, the pending list.
 
 Transactions: `begin()` opens a journal. Evicted slots go to a pending list instead of the
-free list, so their rows survive until `commit()`; `rollback()` replays the journal backwards,
-restoring all three tables (recency included) and the accounting exactly. The slab grows
-(never beyond what the budget can hold, plus the pending slots of one call); it is a ceiling,
-not a preallocation.
+free list, so their rows survive; `rollback()` replays the journal backwards, restoring the
+tables (recency included) and the accounting. A full pool may hand a pending slot to a new page
+of the same call (the pool is never enlarged past the budget to keep it), but never a slot the
+running fold still reads (`protect`); such a victim cannot come back on rollback and simply
+stays evicted (it is regenerated on demand, bits unchanged).
 No timing or telemetry code lives here: mutators return counts, the runtime records them.
 """
 
@@ -30,18 +39,14 @@ from cfr_atlas.atlas.pages import PageKey
 
 
 class _Layer:
-    """Slab, free list and page tables of one layer."""
+    """Page tables of one layer (the slots live in the shared pool)."""
 
-    def __init__(self, config: AtlasConfig):
-        self.config = config
-        dt = config.dtype.array_dtype
-        self.k = np.zeros((0, config.head_dim, config.page_tokens), dtype=dt)  # K^T pages
-        self.v = np.zeros((0, config.page_tokens, config.head_dim), dtype=dt)
-        self.free: list[int] = []
+    def __init__(self):
         self.slot = np.full((0, 0), -1, dtype=np.int64)
         self.tokens = np.zeros((0, 0), dtype=np.int64)
         self.last_use = np.zeros((0, 0), dtype=np.int64)
-        self.bytes = 0
+        self.bytes = 0   # logical: resident rows x row_bytes
+        self.slots = 0   # slots held by this layer's pages
 
     def ensure_table(self, heads: int, pages: int) -> None:
         h0, p0 = self.slot.shape
@@ -54,16 +59,9 @@ class _Layer:
             new[:h0, :p0] = old
             setattr(self, name, new)
 
-    def take_slot(self, max_slots: int) -> int:
-        if not self.free:
-            cap = self.k.shape[0]
-            new_cap = max(cap + 1, min(2 * cap, max_slots), 1)
-            k = np.zeros((new_cap,) + self.k.shape[1:], dtype=self.k.dtype)
-            v = np.zeros((new_cap,) + self.v.shape[1:], dtype=self.v.dtype)
-            k[:cap], v[:cap] = self.k, self.v
-            self.k, self.v = k, v
-            self.free.extend(range(new_cap - 1, cap - 1, -1))
-        return self.free.pop()
+    @property
+    def table_bytes(self) -> int:
+        return self.slot.nbytes + self.tokens.nbytes + self.last_use.nbytes
 
 
 class HotCache:
@@ -72,21 +70,43 @@ class HotCache:
     def __init__(self, config: AtlasConfig):
         self.config = config
         self.row_bytes, self.page_tokens = config.row_bytes, config.page_tokens
+        self.page_bytes = config.page_bytes
+        self.capacity = config.hot_cache_bytes // config.page_bytes  # slots, at most
         self.layers: dict[int, _Layer] = {}
         self.resident_bytes = 0
+        self.held_slots = 0
+        self._empty_pool()
         self._journal: list[tuple] | None = None
-        self._pending: list[tuple[int, int]] = []  # (layer, slot) evicted inside a transaction
+        self._pending: list[int] = []  # slots evicted inside a transaction
+        self._stolen: set[int] = set()  # pending slots handed to a new page in this transaction
+        # slot -> position in the running fold's walk; a slot at or after `_folded` is still
+        # to be read, so it is never handed out (built only when a slot must be reused)
+        self._walk: tuple | None = None
+        self._protected: dict[int, int] | None = None
+        self._folded = 0
         # The ranking of resident pages by policy priority, valid while the set of resident
         # pages (the epoch counts admissions and evictions), the policy, the context and, for
-        # policies that rank by recency, the call stay the same. Sizes are read live.
+        # policies that rank by recency, the call stay the same.
         self._epoch = 0
         self._ranked: tuple | None = None
+
+    def _empty_pool(self) -> None:
+        dt, D, P = self.config.dtype.array_dtype, self.config.head_dim, self.page_tokens
+        self.k = np.zeros((0, D, P), dtype=dt)  # K^T pages
+        self.v = np.zeros((0, P, D), dtype=dt)
+        self.free: list[int] = []
 
     # --- lookups ---------------------------------------------------------------------------
     def layer(self, layer: int) -> _Layer:
         lay = self.layers.get(layer)
         if lay is None:
-            lay = self.layers[layer] = _Layer(self.config)
+            lay = self.layers[layer] = _Layer()
+        return lay
+
+    def tables(self, layer: int, heads: int, pages: int) -> _Layer:
+        """The tables of `layer`, grown to cover `heads` x `pages` (read them, do not write)."""
+        lay = self.layer(layer)
+        lay.ensure_table(heads, pages)
         return lay
 
     def budget(self) -> int:
@@ -96,23 +116,68 @@ class HotCache:
         budgets = self.config.layer_budgets or {}
         return budgets.get(layer, self.config.hot_cache_bytes)
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the slots held by resident pages (what the budget is charged)."""
+        return self.held_slots * self.page_bytes
+
     def resident_pages(self) -> int:
-        return sum(int((lay.slot >= 0).sum()) for lay in self.layers.values())
+        return self.held_slots
 
     def allocated_bytes(self) -> int:
-        return sum(lay.k.nbytes + lay.v.nbytes for lay in self.layers.values())
+        """Bytes of the slot pool as allocated (not as used)."""
+        return self.k.nbytes + self.v.nbytes
 
-    def max_slots(self, layer: int) -> int:
-        return max(1, self.layer_budget(layer) // self.config.page_bytes + 1)
+    def table_bytes(self) -> int:
+        """Bookkeeping: the int64 page tables (grow with the context, not with the budget)."""
+        return sum(lay.table_bytes for lay in self.layers.values())
+
+    def page_state(self, key: PageKey) -> tuple[int, int]:
+        """(slot, tokens) of a page; slot -1 when not resident."""
+        lay = self.layers.get(key.layer)
+        page = key.start_token // self.page_tokens
+        if lay is None or key.kv_head >= lay.slot.shape[0] or page >= lay.slot.shape[1]:
+            return -1, 0
+        return int(lay.slot[key.kv_head, page]), int(lay.tokens[key.kv_head, page])
+
+    def read(self, key: PageKey, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Copies of a resident page's rows (n, D) in storage dtype if it holds exactly n, else
+        None."""
+        slot, have = self.page_state(key)
+        if slot < 0 or have != n:
+            return None
+        return self.k[slot, :, :n].T.copy(), self.v[slot, :n].copy()
 
     # --- transactions ------------------------------------------------------------------------
     def begin(self) -> None:
         self._journal = []
 
+    def protect(self, slots: np.ndarray, hot: np.ndarray) -> None:
+        """The running fold reads slots[hot] (walk position = flat index): their rows must
+        survive until `folded_up_to` passes them. Kept by reference, read only if needed."""
+        self._walk, self._protected, self._folded = (slots, hot), None, 0
+
+    def folded_up_to(self, position: int) -> None:
+        """The running fold has read every page before walk position `position`."""
+        self._folded = position
+
+    def _reusable(self, slot: int) -> bool:
+        if self._protected is None:
+            self._protected = {}
+            if self._walk is not None:
+                slots, hot = self._walk
+                self._protected = dict(zip(slots[hot].tolist(), np.flatnonzero(hot).tolist(),
+                                           strict=True))
+        return self._protected.get(slot, -1) < self._folded
+
     def commit(self) -> None:
-        for layer, slot in self._pending:
-            self.layers[layer].free.append(slot)
+        self.free.extend(self._pending)
+        self._end()
+
+    def _end(self) -> None:
         self._pending.clear()
+        self._stolen.clear()
+        self._walk, self._protected = None, None
         self._journal = None
 
     def touch(self, layer: int, heads: np.ndarray, lo: int, hot: np.ndarray, tick: int) -> None:
@@ -132,30 +197,68 @@ class HotCache:
                 continue
             op, layer, head, page, slot, tokens, last_use = entry
             lay = self.layers[layer]
-            nbytes = tokens * self.row_bytes
             if op == "admit":
-                lay.slot[head, page] = -1
-                lay.tokens[head, page] = 0
-                lay.free.append(slot)
-                self._account(lay, -nbytes)
-            elif op == "evict":
-                lay.slot[head, page] = slot
-                lay.tokens[head, page] = tokens
-                lay.last_use[head, page] = last_use
-                self._pending.remove((layer, slot))
-                self._account(lay, nbytes)
-            else:  # "grow": tokens is the growth
+                self._set(lay, head, page, -1, 0, lay.last_use[head, page])
+            elif op == "evict" and slot not in self._stolen:
+                self._set(lay, head, page, slot, tokens, last_use)
+            elif op == "grow":  # tokens is the growth
                 lay.tokens[head, page] -= tokens
-                self._account(lay, -nbytes)
-        self._journal = None
+                self._account(lay, -tokens * self.row_bytes, 0)
+        held = {int(s) for lay in self.layers.values() for s in lay.slot[lay.slot >= 0]}
+        self.free = [s for s in range(self.k.shape[0] - 1, -1, -1) if s not in held]
+        self._end()
 
     def _log(self, *entry) -> None:
         if self._journal is not None:
             self._journal.append(entry)
 
-    def _account(self, lay: _Layer, nbytes: int) -> None:
+    def _account(self, lay: _Layer, nbytes: int, slots: int) -> None:
         lay.bytes += nbytes
         self.resident_bytes += nbytes
+        lay.slots += slots
+        self.held_slots += slots
+
+    def _set(self, lay: _Layer, head: int, page: int, slot: int, tokens: int, last_use) -> None:
+        """Point a table entry at `slot` with `tokens` rows (slot -1: not resident), accounted."""
+        old = int(lay.tokens[head, page])
+        was = int(lay.slot[head, page]) >= 0
+        lay.slot[head, page] = slot
+        lay.tokens[head, page] = tokens
+        lay.last_use[head, page] = last_use
+        self._account(lay, (tokens - old) * self.row_bytes, int(slot >= 0) - int(was))
+
+    # --- slots -------------------------------------------------------------------------------
+    def _take_slot(self) -> int:
+        """A slot for a new page; `make_room` checked that one can be had."""
+        if not self.free and self.k.shape[0] < self.capacity:
+            self._grow_pool()
+        if self.free:
+            return self.free.pop()
+        # a victim of this call that the fold does not read: it will not come back on rollback
+        i = next(i for i in range(len(self._pending) - 1, -1, -1)
+                 if self._reusable(self._pending[i]))
+        slot = self._pending.pop(i)
+        self._stolen.add(slot)
+        return slot
+
+    def _slot_obtainable(self, victims: list) -> bool:
+        """After evicting `victims` (keys), can `_take_slot` hand out a slot?"""
+        if self.free or self.k.shape[0] < self.capacity:
+            return True
+        slots = self._pending + [self.page_state(v)[0] for _, v in victims]
+        return any(self._reusable(s) for s in slots)
+
+    def _grow_pool(self) -> None:
+        cap = self.k.shape[0]
+        if self.config.preallocate_hot_cache:
+            new_cap = self.capacity
+        else:
+            new_cap = min(max(2 * cap, 8), self.capacity)
+        k = np.zeros((new_cap,) + self.k.shape[1:], dtype=self.k.dtype)
+        v = np.zeros((new_cap,) + self.v.shape[1:], dtype=self.v.dtype)
+        k[:cap], v[:cap] = self.k, self.v
+        self.k, self.v = k, v
+        self.free.extend(range(new_cap - 1, cap - 1, -1))  # pop() hands out low slots first
 
     # --- mutators --------------------------------------------------------------------------
     def evict(self, key: PageKey) -> None:
@@ -166,28 +269,26 @@ class HotCache:
         lay = self.layers[key.layer]
         page = key.start_token // self.page_tokens
         slot, tokens = int(lay.slot[key.kv_head, page]), int(lay.tokens[key.kv_head, page])
-        lay.slot[key.kv_head, page] = -1
-        lay.tokens[key.kv_head, page] = 0
-        self._account(lay, -tokens * self.row_bytes)
+        last_use = int(lay.last_use[key.kv_head, page])
+        self._set(lay, key.kv_head, page, -1, 0, last_use)
         if self._journal is not None:
-            self._pending.append((key.layer, slot))
+            self._pending.append(slot)
         else:
-            lay.free.append(slot)
-        self._log("evict", key.layer, key.kv_head, page, slot, tokens,
-                  int(lay.last_use[key.kv_head, page]))
+            self.free.append(slot)
+        self._log("evict", key.layer, key.kv_head, page, slot, tokens, last_use)
 
-    def make_room(self, key: PageKey, nbytes: int, policy, context_tokens: int, tick: int) -> int:
-        """Evict lower-priority pages so `nbytes` more fit; -1 if impossible (nothing evicted).
+    def make_room(self, key: PageKey, policy, context_tokens: int, tick: int) -> int:
+        """Evict lower-priority pages so one more slot fits; -1 if impossible (nothing evicted).
 
         Only pages of strictly lower priority than the incoming one may leave, lowest first.
         A layer over its own budget gives up its own pages; the global budget takes any layer's.
         """
-        lay = self.layer(key.layer)
-        need_layer = lay.bytes + nbytes - self.layer_budget(key.layer)
-        need_global = self.resident_bytes + nbytes - self.budget()
+        lay, PB = self.layer(key.layer), self.page_bytes
+        need_layer = lay.slots + 1 - self.layer_budget(key.layer) // PB
+        need_global = self.held_slots + 1 - self.capacity
         if need_layer <= 0 and need_global <= 0:
-            return 0
-        if nbytes > min(self.budget(), self.layer_budget(key.layer)):
+            return 0 if self._slot_obtainable([]) else -1
+        if PB > min(self.budget(), self.layer_budget(key.layer)):
             return -1
         incoming = policy.keep_priority(key, self.page_tokens, context_tokens, tick)
         ranked = self._ranking(policy, context_tokens, tick)
@@ -200,14 +301,16 @@ class HotCache:
             freed = self._pick(ranked, incoming, key, need_global, chosen, None, freed)
             if freed < need_global:
                 return -1
+        if not self._slot_obtainable(chosen):
+            return -1
         for i, victim in sorted(chosen, reverse=True):
             del ranked[i]  # the ranking stays valid: only these members left
             self._evict(victim)
         return len(chosen)
 
     def _pick(self, ranked, incoming, protect, need, chosen, layer, freed=0) -> int:
-        """Add ranked pages (lowest first, of `layer` if given) to `chosen` until `need` bytes
-        are freed or the priorities reach `incoming`; returns the bytes freed so far."""
+        """Add ranked pages (lowest first, of `layer` if given) to `chosen` until `need` slots
+        are freed or the priorities reach `incoming`; returns the slots freed so far."""
         taken = {i for i, _ in chosen}
         for i, (prio, victim) in enumerate(ranked):
             if freed >= need or not prio < incoming:
@@ -215,11 +318,11 @@ class HotCache:
             if i in taken or victim == protect or (layer is not None and victim.layer != layer):
                 continue
             chosen.append((i, victim))
-            freed += self._size(victim)
+            freed += 1
         return freed
 
     def _ranking(self, policy, context_tokens: int, tick: int) -> list:
-        """Every resident page as (priority, key, bytes), lowest priority first; rebuilt only
+        """Every resident page as (priority, key), lowest priority first; rebuilt only
         when residency, the policy, the context or the call changed (a fold that keeps
         rejecting admissions pays for one ranking, not one per page)."""
         recency = getattr(policy, "ranks_by_recency", True)
@@ -227,7 +330,7 @@ class HotCache:
         if self._ranked is None or self._ranked[0] != state:
             out = []
             for layer, lay in self.layers.items():
-                if not lay.bytes:
+                if not lay.slots:
                     continue
                 heads, pages = np.nonzero(lay.slot >= 0)
                 for h, p in zip(heads.tolist(), pages.tolist(), strict=True):
@@ -239,49 +342,69 @@ class HotCache:
             self._ranked = (state, out)
         return self._ranked[1]
 
-    def _size(self, key: PageKey) -> int:
-        return self.page_state(key)[1] * self.row_bytes
-
     def admit(self, key: PageKey, k_rows: np.ndarray, v_rows: np.ndarray, tick: int) -> None:
         """Copy rows (n, D) in storage dtype into a fresh slot; room must have been made."""
         self._epoch += 1
         lay = self.layer(key.layer)
         page = key.start_token // self.page_tokens
         lay.ensure_table(key.kv_head + 1, page + 1)
-        slot = lay.take_slot(self.max_slots(key.layer) + len(self._pending))
+        slot = self._take_slot()
         n = k_rows.shape[0]
-        lay.k[slot, :, :n] = k_rows.T
-        lay.v[slot, :n] = v_rows
-        lay.slot[key.kv_head, page] = slot
-        lay.tokens[key.kv_head, page] = n
-        lay.last_use[key.kv_head, page] = tick
-        self._account(lay, n * self.row_bytes)
+        self.k[slot, :, :n] = k_rows.T
+        self.v[slot, :n] = v_rows
+        self._set(lay, key.kv_head, page, slot, n, tick)
         self._log("admit", key.layer, key.kv_head, page, slot, n, tick)
 
     def grow(self, key: PageKey, k_rows: np.ndarray, v_rows: np.ndarray, tick: int) -> None:
-        """Append rows to a resident partial page; room must have been made."""
+        """Append rows to a resident partial page (its slot is already held and charged)."""
         lay = self.layers[key.layer]
         page = key.start_token // self.page_tokens
         slot, n0 = int(lay.slot[key.kv_head, page]), int(lay.tokens[key.kv_head, page])
         n = k_rows.shape[0]
-        lay.k[slot, :, n0:n0 + n] = k_rows.T
-        lay.v[slot, n0:n0 + n] = v_rows
+        self.k[slot, :, n0:n0 + n] = k_rows.T
+        self.v[slot, n0:n0 + n] = v_rows
         lay.tokens[key.kv_head, page] = n0 + n
         lay.last_use[key.kv_head, page] = tick
-        self._account(lay, n * self.row_bytes)
+        self._account(lay, n * self.row_bytes, 0)
         self._log("grow", key.layer, key.kv_head, page, slot, n, tick)
 
-    def page_state(self, key: PageKey) -> tuple[int, int]:
-        """(slot, tokens) of a page; slot -1 when not resident."""
-        lay = self.layers.get(key.layer)
-        page = key.start_token // self.page_tokens
-        if lay is None or key.kv_head >= lay.slot.shape[0] or page >= lay.slot.shape[1]:
-            return -1, 0
-        return int(lay.slot[key.kv_head, page]), int(lay.tokens[key.kv_head, page])
+    def append(self, layer: int, heads: list[int], start: int, k_st: np.ndarray,
+               v_st: np.ndarray, tick: int) -> bool:
+        """The decode fast path: rows (T, H, D) of tokens start.. for `heads` when every head's
+        page is resident, holds exactly the rows before `start` and has room for T more; then
+        all heads grow in one vectorized write (what `grow` does head by head). Else False."""
+        P, T = self.page_tokens, k_st.shape[0]
+        page, off = divmod(start, P)
+        lay = self.layers.get(layer)
+        if lay is None or off + T > P or off == 0 or max(heads) >= lay.slot.shape[0] \
+                or page >= lay.slot.shape[1]:
+            return False
+        hidx = np.asarray(heads, dtype=np.int64)
+        slots = lay.slot[hidx, page]
+        if (slots < 0).any() or (lay.tokens[hidx, page] != off).any():
+            return False
+        self.k[slots, :, off:off + T] = k_st.transpose(1, 2, 0)
+        self.v[slots, off:off + T] = v_st.transpose(1, 0, 2)
+        lay.tokens[hidx, page] += T
+        lay.last_use[hidx, page] = tick
+        self._account(lay, T * len(heads) * self.row_bytes, 0)
+        return True
+
+    def truncate(self, context_tokens: int) -> None:
+        """Forget every resident row at or after `context_tokens` (not journaled)."""
+        P = self.page_tokens
+        for layer_id, lay in self.layers.items():
+            for h, p in zip(*np.nonzero(lay.slot >= 0), strict=True):
+                keep = context_tokens - int(p) * P
+                if keep <= 0:
+                    self.evict(PageKey(layer_id, int(h), int(p) * P))
+                elif keep < lay.tokens[h, p]:
+                    self._set(lay, int(h), int(p), int(lay.slot[h, p]), keep, lay.last_use[h, p])
 
     def clear(self) -> None:
+        """Drop every resident page and release the pool (allocated again on the next admit)."""
         self._epoch += 1
         self.layers.clear()
-        self.resident_bytes = 0
-        self._pending.clear()
-        self._journal = None
+        self.resident_bytes = self.held_slots = 0
+        self._empty_pool()
+        self._end()

@@ -111,7 +111,8 @@ class Atlas:
         self._tick = 0
         self._total = Counters()
         self._last = Counters()
-        self._peak = 0
+        self._peak = 0  # logical: resident rows
+        self._peak_allocated = 0  # the arrays: pool + scratch + staging
 
     # --- public API ------------------------------------------------------------------------
     def attend(self, backend: KvRegenerator, request: AttentionRequest, policy=None,
@@ -233,57 +234,65 @@ class Atlas:
         return k_st, v_st
 
     def _append_in_place(self, layer, heads, start, k_st, v_st) -> bool:
-        """The decode fast path: every head's page is resident, holds exactly the rows before
-        `start`, has room for the new rows, and the budgets have room too. Then all heads grow
-        in one vectorized write (what `_write_head` would do head by head); else False."""
-        cfg, cache = self.config, self.cache
-        P, T = cfg.page_tokens, k_st.shape[0]
-        page, off = divmod(start, P)
-        lay = cache.layers.get(layer)
-        if lay is None or off + T > P or off == 0 or max(heads) >= lay.slot.shape[0] \
-                or page >= lay.slot.shape[1]:
+        """The decode fast path (see `HotCache.append`); False when it does not apply."""
+        if not self.cache.append(layer, heads, start, k_st, v_st, self._tick):
             return False
-        hidx = np.asarray(heads, dtype=np.int64)
-        slots = lay.slot[hidx, page]
-        nbytes = T * len(heads) * cfg.row_bytes
-        if (slots < 0).any() or (lay.tokens[hidx, page] != off).any() \
-                or cache.resident_bytes + nbytes > cache.budget() \
-                or lay.bytes + nbytes > cache.layer_budget(layer):
-            return False
-        lay.k[slots, :, off:off + T] = k_st.transpose(1, 2, 0)
-        lay.v[slots, off:off + T] = v_st.transpose(1, 0, 2)
-        lay.tokens[hidx, page] += T
-        lay.last_use[hidx, page] = self._tick
-        cache._account(lay, nbytes)
-        self._peak = max(self._peak, cache.resident_bytes)
+        self._peak = max(self._peak, self.cache.resident_bytes)
         return True
 
     def truncate(self, context_tokens: int) -> None:
         """Forget every resident row at or after `context_tokens` (rewind a sequence)."""
-        P = self.config.page_tokens
-        for layer_id, lay in self.cache.layers.items():
-            for h, p in zip(*np.nonzero(lay.slot >= 0), strict=True):
-                start = int(p) * P
-                keep = context_tokens - start
-                if keep <= 0:
-                    self.cache.evict(PageKey(layer_id, int(h), start))
-                elif keep < lay.tokens[h, p]:
-                    dropped = int(lay.tokens[h, p]) - keep
-                    self.cache._account(lay, -dropped * self.config.row_bytes)
-                    lay.tokens[h, p] = keep
+        self.cache.truncate(context_tokens)
+
+    def page_rows(self, backend: KvRegenerator, key: PageKey, n: int) -> tuple[np.ndarray,
+                                                                             np.ndarray]:
+        """Rows (n, D) in storage dtype of one page: a copy from the hot cache when resident,
+        else regenerated through the staging rows (checked like any regenerated page)."""
+        rows = self.cache.read(key, n)
+        if rows is not None:
+            return rows
+        k_out, v_out = self._stage_k[:n], self._stage_v[:n]
+        k_out.fill(np.nan)
+        v_out.fill(np.nan)
+        try:
+            backend.regenerate_page(key, range(key.start_token, key.start_token + n), k_out, v_out)
+        except AtlasError:
+            raise
+        except Exception as e:
+            raise RegeneratorError(key, f"{type(e).__name__}: {e}") from e
+        if not (np.isfinite(k_out).all() and np.isfinite(v_out).all()):
+            raise NumericError("regenerated rows are not finite (or not fully written)", key)
+        dt = self.config.dtype
+        k_st, v_st = round_rows(k_out, dt), round_rows(v_out, dt)
+        if self.config.wipe_scratch_after_use:
+            self._stage_k.fill(0)
+            self._stage_v.fill(0)
+        return k_st, v_st
 
     def reset(self) -> None:
         """Drop every resident page (counters are kept)."""
         self.cache.clear()
 
+    def allocations(self) -> dict[str, int]:
+        """Bytes allocated now for K/V, by category, measured from the arrays (nbytes)."""
+        return {"hot_cache": self.cache.allocated_bytes(),
+                "scratch": self._scratch_k.nbytes + self._scratch_v.nbytes,
+                "staging": self._stage_k.nbytes + self._stage_v.nbytes}
+
     def telemetry(self) -> Telemetry:
         cfg = self.config
+        allocated = sum(self.allocations().values())
+        self._peak_allocated = max(self._peak_allocated, allocated)
         return Telemetry(total=Counters(**vars(self._total)),
                          last_call=Counters(**vars(self._last)),
                          resident_bytes=self.cache.resident_bytes, peak_resident_bytes=self._peak,
                          resident_pages=self.cache.resident_pages(),
                          scratch_bytes=cfg.scratch_bytes,
-                         budget_bytes=cfg.hot_cache_bytes)
+                         budget_bytes=cfg.hot_cache_bytes,
+                         held_bytes=self.cache.held_bytes,
+                         allocated_bytes=allocated,
+                         peak_allocated_bytes=self._peak_allocated,
+                         table_bytes=self.cache.table_bytes())
 
     # --- internals -------------------------------------------------------------------------
     def _check_query(self, query, n_head: int) -> np.ndarray:
@@ -325,8 +334,7 @@ class Atlas:
         acc = np.zeros((n_tok, n_head, n_part, n_grp, D), dtype=np.float64)
         qpos = np.arange(context - n_tok, context, dtype=np.int64)
 
-        lay = self.cache.layer(layer)
-        lay.ensure_table(max(heads) + 1, n_pages)
+        lay = self.cache.tables(layer, max(heads) + 1, n_pages)
         hidx = np.asarray(heads, dtype=np.int64)
         pages = np.arange(lo, n_pages, dtype=np.int64)
         starts = pages * P
@@ -337,6 +345,8 @@ class Atlas:
             self.cache.evict(PageKey(layer, heads[hi], int(starts[pi])))
             c.evictions += 1
         self.cache.touch(layer, hidx, lo, hot, self._tick)
+        # the walk reads hot pages from their slots: none is reused before it was folded
+        self.cache.protect(slots, hot)
 
         prefetch = getattr(backend, "prefetch", None)
         if prefetch is not None and not hot.all():  # a hint: the misses, in fold order
@@ -348,12 +358,14 @@ class Atlas:
         # scratch is full.
         src = (~hot).astype(np.int64)
         n_pg = len(pages)
-        fold_args = (q, qpos, lay, src, slots, lo, context, scale, cap, alibi, win, m, l, acc)
+        fold_args = (q, qpos, self.cache, src, slots, lo, context, scale, cap, alibi, win, m, l,
+                     acc)
         t_fold, begin, n_scr = 0.0, 0, 0
         for f in np.flatnonzero(src).tolist():
             if n_scr == cfg.scratch_pages:
                 t_fold += self._flush(begin, f, *fold_args)
                 begin, n_scr = f, 0
+                self.cache.folded_up_to(f)
             hi, pi = divmod(f, n_pg)
             self._regenerate(backend, PageKey(layer, heads[hi], int(starts[pi])), int(lens[pi]),
                              n_scr, policy, context)
@@ -369,13 +381,13 @@ class Atlas:
         c.tokens_consumed += int(lens.sum()) * n_head
         return result
 
-    def _flush(self, a, b, q, qpos, lay, src, slots, lo, context, scale, cap, alibi, win, m, l,
+    def _flush(self, a, b, q, qpos, cache, src, slots, lo, context, scale, cap, alibi, win, m, l,
                acc) -> float:
         """Fold pages a..b of the walk (flat index = head index * pages + page - lo)."""
         if a >= b:
             return 0.0
         t0 = time.perf_counter()
-        fold.fold_pages(q, qpos, lay.k, lay.v, self._scratch_k, self._scratch_v,
+        fold.fold_pages(q, qpos, cache.k, cache.v, self._scratch_k, self._scratch_v,
                         self.config.dtype.code, src, slots, lo, context, self.config.split_pages,
                         a, b, np.float32(scale), np.float32(cap), alibi, win, m, l, acc)
         return time.perf_counter() - t0
@@ -415,8 +427,7 @@ class Atlas:
 
     def _admit(self, key: PageKey, k_st, v_st, policy, context: int) -> bool:
         c = self._last
-        evicted = self.cache.make_room(key, k_st.shape[0] * self.config.row_bytes, policy,
-                                       context, self._tick)
+        evicted = self.cache.make_room(key, policy, context, self._tick)
         if evicted < 0:
             c.admission_rejections += 1
             return False
@@ -424,6 +435,7 @@ class Atlas:
         self.cache.admit(key, k_st, v_st, self._tick)
         c.admissions += 1
         self._peak = max(self._peak, self.cache.resident_bytes)
+        self._peak_allocated = max(self._peak_allocated, sum(self.allocations().values()))
         return True
 
     def _write_head(self, layer, head, start, k_st, v_st, policy, context) -> None:
@@ -440,16 +452,9 @@ class Atlas:
                 self.cache.evict(key)
                 self._last.evictions += 1
                 slot = -1
-            if slot >= 0:
-                nbytes = rows_k.shape[0] * self.config.row_bytes
-                evicted = self.cache.make_room(key, nbytes, policy, context, self._tick)
-                if evicted < 0:
-                    self.cache.evict(key)  # the page cannot grow: it leaves, to be regenerated
-                    self._last.evictions += 1
-                else:
-                    self._last.evictions += evicted
-                    self.cache.grow(key, rows_k, rows_v, self._tick)
-                    self._peak = max(self._peak, self.cache.resident_bytes)
+            if slot >= 0:  # its slot is held (and charged) already: it grows in place
+                self.cache.grow(key, rows_k, rows_v, self._tick)
+                self._peak = max(self._peak, self.cache.resident_bytes)
             elif pos == page_start and policy.admits(key, P, context):
                 self._admit(key, rows_k, rows_v, policy, context)
             pos = stop

@@ -40,7 +40,13 @@ _COUNTER_NAMES = tuple(f.name for f in dataclasses.fields(Counters))
 
 @dataclass
 class Telemetry:
-    """Cumulative counters, the last call's counters, and residency now / at peak."""
+    """Cumulative counters, the last call's counters, and residency now / at peak.
+
+    resident_bytes / peak_resident_bytes count the rows held (logical); held_bytes the slots
+    they occupy (what the budget is charged); allocated_bytes / peak_allocated_bytes the arrays
+    as allocated (hot-cache pool + scratch + staging, sum of nbytes); table_bytes the int64 page
+    tables (bookkeeping that grows with the context, outside the budget).
+    """
 
     total: Counters = field(default_factory=Counters)
     last_call: Counters = field(default_factory=Counters)
@@ -49,6 +55,10 @@ class Telemetry:
     resident_pages: int = 0
     scratch_bytes: int = 0
     budget_bytes: int = 0
+    held_bytes: int = 0
+    allocated_bytes: int = 0
+    peak_allocated_bytes: int = 0
+    table_bytes: int = 0
 
     def table(self) -> str:
         """A readable two-column table (last call | cumulative)."""
@@ -60,7 +70,8 @@ class Telemetry:
         rows.append(("hot hit rate", f"{self.last_call.hit_rate:.1%}",
                      f"{self.total.hit_rate:.1%}"))
         for name in ("resident_bytes", "peak_resident_bytes", "resident_pages", "scratch_bytes",
-                     "budget_bytes"):
+                     "budget_bytes", "held_bytes", "allocated_bytes", "peak_allocated_bytes",
+                     "table_bytes"):
             rows.append((name, "", f"{getattr(self, name):,}"))
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}" for r in rows]

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from cfr_atlas.atlas.pages import PageKey
-from cfr_atlas.atlas.storage import StorageDtype, widen
+from cfr_atlas.atlas.storage import StorageDtype, round_rows, widen
 from cfr_atlas.errors import CapacityError, CorruptPageError
 from cfr_atlas.kv.block_dir import FILE_MODE, FOLDER_MODE
 from cfr_atlas.kv.file_lock import hold_lock, remove_if_abandoned
@@ -94,6 +94,23 @@ class SpillKv:
                                 self.seq_id, self.model_id)
         self._pwrite(header.ljust(HDR_BYTES, b"\0"), 0)
 
+    # --- the regenerator's side of the session (shared with RecomputeKv, BlockSource) ---------
+    keeps_mapped_blocks = False  # mapped prefix rows are copied into the page file
+
+    def record(self, layer: int, pos0: int, x, k: np.ndarray, v: np.ndarray) -> None:
+        """Fresh rows k, v (T, n_kv, hd) float32 of tokens pos0..: stored rounded to the
+        storage dtype, per K/V head (x, the layer input, is not needed here)."""
+        self.record_block(layer, pos0, round_rows(k, self.dtype).transpose(1, 0, 2),
+                          round_rows(v, self.dtype).transpose(1, 0, 2))
+
+    def record_block(self, layer: int, pos0: int, k_st: np.ndarray, v_st: np.ndarray) -> None:
+        """Rows already in storage dtype, (n_kv, T, hd), e.g. a mapped prefix block's."""
+        for h in range(k_st.shape[0]):
+            self.write(layer, h, pos0, k_st[h], v_st[h])
+
+    def allocations(self) -> dict[str, int]:
+        return {"page_file_buffers": self.buffer_bytes()}
+
     # --- writing -------------------------------------------------------------------------------
     def write(self, layer: int, kv_head: int, start: int, k_st: np.ndarray, v_st: np.ndarray):
         """Append rows (T, D) in storage dtype for tokens start.. of one head, page by page."""
@@ -150,6 +167,14 @@ class SpillKv:
         while self._plan and len(self._inflight) < self.prefetch_pages:
             key, n = self._plan.popleft()
             self._inflight.append((key, n, self._pool.submit(self._read, key, n)))
+
+    def buffer_bytes(self) -> int:
+        """Bytes of page reads held in memory now (read-ahead results not yet used)."""
+        held = 0
+        for _, _, fut in list(self._inflight):
+            if fut.done() and fut.exception() is None:
+                held += sum(len(part) for part in fut.result())
+        return held
 
     def regenerate_page(self, key: PageKey, tokens: range, k_out: np.ndarray,
                         v_out: np.ndarray) -> None:

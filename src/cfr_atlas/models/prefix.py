@@ -3,10 +3,11 @@
 `PrefixTier` belongs to a `Model`: one `DiskKvStore` (optional) and one `PrefixCache` per
 (page size, storage dtype), whose signatures differ so their chains never meet. A session
 whose prompt starts with cached blocks gets those rows written into its hot cache as the policy
-allows, and `BlockSource` serves every page of the mapped prefix from the blocks (blocks and
-pages have the same size), so the budgeted runtime regenerates them from the cache: one
-mechanism. Rows of new whole blocks are collected while the model computes them and inserted
-once a block is complete, so a later prompt (or a restarted process) reuses them.
+allows; a spill session also writes them to its page file, and a recompute session (which has
+no layer inputs for them) keeps them: `BlockSource` serves every page of the mapped prefix from
+the blocks (blocks and pages have the same size). A new block is read back (hot cache or
+regenerator) and inserted once whole, so a later prompt (or a restarted process) reuses it;
+no partial block is buffered.
 
 Exactness: a block's rows are bitwise the rows a cold prefill computes (batch-invariant
 kernels), so logits after a mapped prefix equal a cold run's. Not here: what a block file looks
@@ -77,6 +78,20 @@ class BlockSource:
         else:
             self.rest.regenerate_page(key, tokens, k_out, v_out)
 
+    @property
+    def keeps_mapped_blocks(self) -> bool:
+        return self.rest.keeps_mapped_blocks
+
+    def record(self, layer: int, pos0: int, x, k, v) -> None:
+        self.rest.record(layer, pos0, x, k, v)
+
+    def record_block(self, layer: int, pos0: int, k_st, v_st) -> None:
+        self.rest.record_block(layer, pos0, k_st, v_st)
+
+    def allocations(self) -> dict[str, int]:
+        held = sum(b.k.nbytes + b.v.nbytes + b.token_ids.nbytes for b in self.blocks)
+        return {**self.rest.allocations(), "prefix_blocks": held}
+
     def prefetch(self, pages) -> None:
         hint = getattr(self.rest, "prefetch", None)
         if hint is not None:
@@ -106,42 +121,33 @@ def salted_root(cache: PrefixCache, cache_salt: str = "") -> bytes:
 
 
 class BlockBuilder:
-    """Collects a session's rounded rows into whole blocks and inserts them when complete;
-    block hashes chain from `root` (`salted_root`)."""
+    """Inserts a session's blocks once whole, reading their rows back then (no copy is kept
+    while a block fills: the rows come from the hot cache or the regenerator, bitwise the
+    stored ones); the assembled block goes straight to the process-wide prefix cache. Block
+    hashes chain from `root` (`salted_root`)."""
 
     def __init__(self, cache: PrefixCache, root: bytes):
         self.cache, self.root = cache, root
         self.sig = cache.signature
         self.chain: list[bytes] = []
-        self.pending: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    def add_rows(self, layer: int, pos0: int, k_st: np.ndarray, v_st: np.ndarray) -> None:
-        """k_st, v_st: (T, n_kv, hd) in storage dtype for tokens pos0.. of one layer."""
-        B, pos, end = self.sig.block_tokens, pos0, pos0 + k_st.shape[0]
-        while pos < end:
-            b = pos // B
-            stop = min(end, (b + 1) * B)
-            if b >= len(self.chain):
-                if b not in self.pending:
-                    shape = self.sig.block_shape
-                    dt = self.sig.dtype.array_dtype
-                    self.pending[b] = (np.zeros(shape, dtype=dt), np.zeros(shape, dtype=dt))
-                bk, bv = self.pending[b]
-                rows = slice(pos - pos0, stop - pos0)
-                bk[layer, :, pos - b * B:stop - b * B] = k_st[rows].transpose(1, 0, 2)
-                bv[layer, :, pos - b * B:stop - b * B] = v_st[rows].transpose(1, 0, 2)
-            pos = stop
+    def complete(self, token_ids: list[int], n_tokens: int, page_rows) -> int:
+        """Insert every block now whole (all layers computed); returns how many.
 
-    def complete(self, token_ids: list[int], n_tokens: int) -> int:
-        """Insert every block now whole (all layers computed); returns how many."""
+        page_rows(layer, kv_head, start, n) -> (k, v) (n, head_dim) in storage dtype."""
         B, done = self.sig.block_tokens, 0
+        n_layers, n_kv = self.sig.n_layers, self.sig.n_kv_heads
         while (len(self.chain) + 1) * B <= n_tokens:
             b = len(self.chain)
             ids = np.asarray(token_ids[b * B:(b + 1) * B], dtype=np.int64)
             parent = self.chain[-1] if self.chain else self.root
             h = block_hash(parent, ids)
+            dt = self.sig.dtype.array_dtype
+            k, v = np.empty(self.sig.block_shape, dtype=dt), np.empty(self.sig.block_shape, dt)
+            for layer in range(n_layers):
+                for head in range(n_kv):
+                    k[layer, head], v[layer, head] = page_rows(layer, head, b * B, B)
             self.chain.append(h)
-            k, v = self.pending.pop(b)
             self.cache.insert(KvBlock(h, ids, self.sig, k, v))
             done += 1
         return done

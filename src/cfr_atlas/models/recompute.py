@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from cfr_atlas.atlas.pages import PageKey
-from cfr_atlas.errors import CorruptPageError
+from cfr_atlas.errors import CapacityError, CorruptPageError
 from cfr_atlas.ops import rms_norm, rotate
 from cfr_atlas.quant import QuantWeight
 
@@ -50,20 +50,48 @@ def kv_head_weights(gf, cfg, layer: int) -> list[tuple[QuantWeight, np.ndarray |
 
 
 class RecomputeKv:
-    """Keeps layer inputs; rebuilds any page's K/V rows from them (see module docstring)."""
+    """Keeps layer inputs; rebuilds any page's K/V rows from them (see module docstring).
 
-    def __init__(self, net):
-        self.net = net
+    capacity_tokens: allocate every layer's input rows for that many tokens up front (a
+    budgeted sequence: the bytes are known, counted and never reallocated; writing past them is
+    a CapacityError). None: grow as needed (an unbounded sequence)."""
+
+    def __init__(self, net, capacity_tokens: int | None = None):
+        self.net, self.capacity = net, capacity_tokens
+        c = net.config
         self.inputs: dict[int, np.ndarray] = {}   # layer -> (capacity, dim) float32
         self.n_tokens: dict[int, int] = {}
+        if capacity_tokens is not None:
+            for layer in range(c.n_layers):
+                self.inputs[layer] = np.empty((capacity_tokens, c.dim), dtype=np.float32)
+                self.n_tokens[layer] = 0
 
     @property
     def nbytes(self) -> int:
         return sum(self.n_tokens[k] * a.shape[1] * 4 for k, a in self.inputs.items())
 
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(a.nbytes for a in self.inputs.values())
+
+    keeps_mapped_blocks = True  # no layer inputs for mapped tokens: the session keeps the blocks
+
+    def record(self, layer: int, pos0: int, x: np.ndarray, k, v) -> None:
+        """Fresh rows of tokens pos0..: keep their layer input x (T, dim); K/V are rebuilt."""
+        self.write(layer, pos0, x)
+
+    def record_block(self, layer: int, pos0: int, k_st, v_st) -> None:
+        """Mapped prefix rows: nothing to keep (the session holds the blocks themselves)."""
+
+    def allocations(self) -> dict[str, int]:
+        return {"recompute_inputs": self.allocated_bytes}
+
     def write(self, layer: int, pos0: int, x: np.ndarray) -> None:
         buf = self.inputs.get(layer)
         need = pos0 + x.shape[0]
+        if self.capacity is not None and need > self.capacity:
+            raise CapacityError(f"recompute keeps layer inputs for {self.capacity} tokens "
+                                f"(the context limit); token {need - 1} is past them")
         if buf is None or buf.shape[0] < need:
             new = np.empty((max(need, 2 * (0 if buf is None else buf.shape[0]), 64), x.shape[1]),
                            dtype=np.float32)

@@ -1,9 +1,13 @@
 """`Session`: the K/V state of one sequence — an Atlas, a regenerator, a policy, a position.
 
 Unbounded (no `kv_budget`): every row the model computes stays resident in the hot cache; that
-is the full-K/V baseline. Budgeted: the hot cache holds at most `budget - scratch` bytes and
-the rest comes back from the regenerator ("spill": the sequence's page file, written as rows
-are computed). Both run the same fold in the same page order, so logits are bitwise equal.
+is the full-K/V baseline. Budgeted: `kv_budget` bounds the bytes really allocated for the
+sequence's K/V (`fixed_kv_bytes`: scratch, staging rows, page-file read buffers, recompute's
+kept inputs for `context_limit` tokens; then prefix blocks held; the hot cache's slot pool
+gets the rest and is allocated once). The rest of the K/V comes back from the regenerator
+("spill": the sequence's page file, written as rows are computed). Both run the same fold in
+the same page order, so logits are bitwise equal. `allocations()` measures what is held, by
+category, from the arrays themselves.
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ import re
 
 import numpy as np
 
-from cfr_atlas.atlas import Atlas, AtlasConfig, KeepAll, KeepRecent, PageKey, round_rows, widen
+from cfr_atlas.atlas import Atlas, AtlasConfig, KeepAll, KeepRecent, PageKey, widen
+from cfr_atlas.atlas.pages import page_count
 from cfr_atlas.errors import ConfigError, RegeneratorError
 from cfr_atlas.kv import SpillKv
+from cfr_atlas.kv.page_file import HDR_BYTES
 from cfr_atlas.models.prefix import BlockBuilder, BlockSource, check_salt, salted_root
 from cfr_atlas.models.recompute import RecomputeKv
 
@@ -38,8 +44,44 @@ def parse_bytes(value, field: str = "kv_budget") -> int:
     return n
 
 
+def fixed_kv_bytes(config, *, regenerator: str = "spill", page_tokens: int = 256,
+                   storage_dtype: str = "float32", context_limit: int | None = None,
+                   prefetch_pages: int = 0) -> dict[str, int]:
+    """Bytes a budgeted sequence allocates before any page stays hot, by category.
+
+    scratch: one page slot (K + V, storage dtype); staging: the float32 rows regenerators
+    write (2 x page_tokens x head_dim x 4); page_file_buffers (spill): the read in progress plus
+    `prefetch_pages` read ahead, each 2 x page_tokens x head_dim x itemsize + a 64-byte header;
+    recompute_inputs (recompute): n_layers x dim x 4 bytes for each of `context_limit` tokens.
+    """
+    probe = AtlasConfig(page_tokens=page_tokens, head_dim=config.head_dim,
+                        storage_dtype=storage_dtype)
+    limit = config.context_length if context_limit is None else context_limit
+    out = {"scratch": probe.scratch_pages * probe.page_bytes,
+           "staging": probe.scratch_bytes - probe.scratch_pages * probe.page_bytes}
+    if regenerator == "spill":
+        out["page_file_buffers"] = (prefetch_pages + 1) * (probe.page_bytes + HDR_BYTES)
+    elif regenerator == "recompute":
+        out["recompute_inputs"] = limit * config.n_layers * config.dim * 4
+    else:
+        raise ConfigError("regenerator", f"unknown regenerator {regenerator!r} "
+                                         "(choose: spill, recompute)")
+    return out
+
+
 class _NoRegenerator:
     """Unbounded sessions keep every row resident; a regeneration request is a bug."""
+
+    keeps_mapped_blocks = False  # mapped rows go to the (unbounded) hot cache
+
+    def record(self, layer, pos0, x, k, v) -> None:
+        """Nothing to keep: every row stays in the hot cache."""
+
+    def record_block(self, layer, pos0, k_st, v_st) -> None:
+        """Nothing to keep: every row stays in the hot cache."""
+
+    def allocations(self) -> dict[str, int]:
+        return {}
 
     def regenerate_page(self, key: PageKey, tokens, k_out, v_out):
         raise RegeneratorError(key, "unbounded session has no regenerator (page not resident)")
@@ -56,24 +98,22 @@ class Session:
         self.model = model
         check_salt(cache_salt)  # keys the prefix blocks: other salts never share one
         self.context_limit = c.context_length if context_limit is None else context_limit
-        probe = AtlasConfig(page_tokens=page_tokens, head_dim=c.head_dim,
-                            storage_dtype=storage_dtype)
-        if kv_budget is None:
-            hot = UNBOUNDED
-            self.budget = None
-        else:
-            self.budget = parse_bytes(kv_budget)
-            # scratch (and the spill tier's read-ahead buffers) count against the budget
-            ahead = prefetch_pages * probe.page_bytes if regenerator == "spill" else 0
-            scratch = probe.scratch_bytes + ahead
-            if self.budget < scratch:
-                raise ConfigError("kv_budget", f"{self.budget} bytes is below the scratch "
-                                               f"({scratch} bytes at page_tokens {page_tokens}, "
-                                               f"{prefetch_pages} read-ahead pages)")
-            hot = self.budget - scratch
-        self.atlas = Atlas(AtlasConfig(page_tokens=page_tokens, head_dim=c.head_dim,
-                                       hot_cache_bytes=hot, admit_regenerated_pages=True,
-                                       storage_dtype=storage_dtype))
+        self._geometry = dict(page_tokens=page_tokens, head_dim=c.head_dim,
+                              storage_dtype=storage_dtype)
+        self.budget = None if kv_budget is None else parse_bytes(kv_budget)
+        self.fixed = {} if self.budget is None else fixed_kv_bytes(
+            c, regenerator=regenerator, page_tokens=page_tokens, storage_dtype=storage_dtype,
+            context_limit=self.context_limit, prefetch_pages=prefetch_pages)
+        self.reserved_bytes = sum(self.fixed.values())
+        if self.budget is not None and self.budget < self.reserved_bytes:
+            parts = ", ".join(f"{k} {v:,}" for k, v in self.fixed.items())
+            raise ConfigError("kv_budget", f"{self.budget:,} bytes is below the "
+                                           f"{self.reserved_bytes:,} bytes this sequence "
+                                           f"allocates before any page stays hot ({parts}; "
+                                           f"page_tokens {page_tokens}, context_limit "
+                                           f"{self.context_limit}); the smallest accepted "
+                                           f"budget is {self.reserved_bytes:,} bytes")
+        self.atlas = self._new_atlas(0)
         # Unbounded: everything stays (the full-K/V baseline), whatever policy was given.
         # Budgeted default: the newest pages stay hot, the oldest are regenerated first.
         if self.budget is None:
@@ -83,14 +123,11 @@ class Session:
         if self.budget is None:
             self.backend = _NoRegenerator()
         elif regenerator == "spill":
-            self.backend = SpillKv(cache_dir, page_tokens, c.head_dim, probe.dtype,
-                                   model.identity, prefetch_pages=prefetch_pages)
-        elif regenerator == "recompute":
-            self.backend = RecomputeKv(model)
+            self.backend = SpillKv(cache_dir, page_tokens, c.head_dim,
+                                   self.atlas.config.dtype, model.identity,
+                                   prefetch_pages=prefetch_pages)
         else:
-            raise ConfigError("regenerator", f"unknown regenerator {regenerator!r} "
-                                             "(choose: spill, recompute)")
-        self.reserved_bytes = 0 if self.budget is None else self.budget - hot
+            self.backend = RecomputeKv(model, capacity_tokens=self.context_limit)
         self.n_tokens = 0
         self.token_ids: list[int] = []
         self.cached_tokens = 0
@@ -99,29 +136,55 @@ class Session:
         self.prefix = None if prefix is None else prefix.cache(page_tokens, storage_dtype)
         self._builder = None if self.prefix is None else \
             BlockBuilder(self.prefix, salted_root(self.prefix, cache_salt))
+        self._peak_allocated = self.allocated_bytes()
+
+    def _new_atlas(self, held_elsewhere: int) -> Atlas:
+        """An Atlas whose slot pool gets what the budget leaves after the fixed bytes and
+        `held_elsewhere` (prefix blocks); never more than the context limit can fill.
+        Unbounded: the pool grows (no budget to preallocate) up to what the context can fill."""
+        c = self.model.config
+        probe = AtlasConfig(**self._geometry)
+        pages = c.n_layers * c.n_kv_heads * page_count(self.context_limit, probe.page_tokens)
+        if self.budget is None:
+            return Atlas(AtlasConfig(**self._geometry, admit_regenerated_pages=True,
+                                     hot_cache_bytes=min(UNBOUNDED, pages * probe.page_bytes)))
+        hot = min(self.budget - self.reserved_bytes - held_elsewhere, pages * probe.page_bytes)
+        return Atlas(AtlasConfig(**self._geometry, hot_cache_bytes=max(0, hot),
+                                 admit_regenerated_pages=True, preallocate_hot_cache=True))
 
     def map_prefix(self, ids: np.ndarray) -> int:
         """At the start of a sequence: reuse the longest cached run of whole blocks of `ids`
-        (leaving at least one token to compute); returns how many tokens were mapped."""
+        (leaving at least one token to compute); returns how many tokens were mapped.
+
+        Spill and unbounded sessions copy the blocks' rows into the page file / hot cache and
+        hold no block; recompute has no layer inputs for them, so it keeps the blocks (counted
+        in its budget: it maps only as many as the budget can hold)."""
         if self.prefix is None or self.n_tokens or len(ids) < 2:
             return 0
         B = self.prefix.signature.block_tokens
         usable = (len(ids) - 1) // B * B
         blocks = self.prefix.lookup(self._builder.root, ids[:usable]) if usable else []
+        if blocks and self.backend.keeps_mapped_blocks:
+            blocks = blocks[:(self.budget - self.reserved_bytes) // blocks[0].nbytes]
+            if blocks:
+                self.atlas = None  # the empty pool goes before the smaller one is made
+                self.atlas = self._new_atlas(sum(b.nbytes for b in blocks))
+                self.backend = BlockSource(blocks, self.backend)
         if not blocks:
             return 0
         dtype = self.atlas.config.dtype
         for i, block in enumerate(blocks):
             for layer in range(self.model.config.n_layers):
+                self.backend.record_block(layer, i * B, block.k[layer], block.v[layer])
                 k = widen(block.k[layer], dtype).transpose(1, 0, 2)
                 v = widen(block.v[layer], dtype).transpose(1, 0, 2)
                 self.atlas.write_rows(layer, i * B, np.ascontiguousarray(k),
                                       np.ascontiguousarray(v), self.policy)
-        self.backend = BlockSource(blocks, self.backend)
         self._builder.chain = [b.hash for b in blocks]
         n = len(blocks) * B
         self.n_tokens = self.cached_tokens = n
         self.token_ids = [int(t) for t in ids[:n]]
+        self._sample_peak()
         return n
 
     def advance(self, ids: np.ndarray) -> None:
@@ -129,34 +192,49 @@ class Session:
         self.n_tokens += len(ids)
         self.token_ids.extend(int(t) for t in ids)
         if self._builder is not None:
-            self._builder.complete(self.token_ids, self.n_tokens)
+            self._builder.complete(self.token_ids, self.n_tokens, self._page_rows)
+        self._sample_peak()
+
+    def _page_rows(self, layer: int, head: int, start: int, n: int):
+        return self.atlas.page_rows(self.backend, PageKey(layer, head, start), n)
 
     def store_kv(self, layer: int, pos0: int, x: np.ndarray, k: np.ndarray, v: np.ndarray):
         """Rows k, v (T, n_kv, hd) f32 of tokens pos0.. : the regenerator's copy first (so a full
         disk fails before the hot cache changes), then the hot cache as the policy allows."""
-        backend = self.backend.rest if isinstance(self.backend, BlockSource) else self.backend
-        if isinstance(backend, SpillKv) or self._builder is not None:
-            dtype = self.atlas.config.dtype
-            k_st, v_st = round_rows(k, dtype), round_rows(v, dtype)
-            if self._builder is not None:
-                self._builder.add_rows(layer, pos0, k_st, v_st)
-            if isinstance(backend, SpillKv):
-                for h in self._heads:
-                    backend.write(layer, h, pos0, k_st[:, h], v_st[:, h])
-        elif isinstance(backend, RecomputeKv):
-            backend.write(layer, pos0, x)
+        self.backend.record(layer, pos0, x, k, v)
         self.atlas.write_rows(layer, pos0, k, v, self.policy)
 
     def attend(self, layer: int, q: np.ndarray, context: int) -> np.ndarray:
         """q (T, n_kv, group, hd) -> (T, n_kv, group, hd) over the whole causal context."""
         return self.atlas.attend_heads(self.backend, layer, self._heads, q, context, self.policy)
 
+    # --- memory ------------------------------------------------------------------------------
+    def allocations(self) -> dict[str, int]:
+        """Bytes held now for this sequence's K/V, by category, from the arrays' nbytes (and
+        the page-file reads in flight)."""
+        out = {**self.atlas.allocations(), "page_file_buffers": 0, "recompute_inputs": 0,
+               "prefix_blocks": 0}
+        out.update(self.backend.allocations())  # the regenerator reports its own arrays
+        return out
+
+    def allocated_bytes(self) -> int:
+        return sum(self.allocations().values())
+
+    def _sample_peak(self) -> None:
+        self._peak_allocated = max(self._peak_allocated, self.allocated_bytes())
+
     def telemetry_summary(self) -> dict:
         t = self.atlas.telemetry()
         c = self.model.config
+        self._sample_peak()
+        alloc = self.allocations()
         return {
             "budget_bytes": self.budget,
             "peak_resident_kv_bytes": t.peak_resident_bytes + self.reserved_bytes,
+            "allocated_kv_bytes": sum(alloc.values()),
+            "peak_allocated_kv_bytes": self._peak_allocated,
+            "allocated_kv_by_category": alloc,
+            "kv_table_bytes": t.table_bytes,
             "full_kv_bytes": self.n_tokens * c.kv_bytes_per_token(self.atlas.config.dtype.itemsize),
             "pages_regenerated": t.total.regenerations,
             "prompt_cached_tokens": self.cached_tokens,
@@ -166,7 +244,7 @@ class Session:
         }
 
     def close(self) -> None:
-        """Release the sequence: hot pages, page file, kept inputs."""
+        """Release the sequence: hot pages, page file, kept inputs, held blocks."""
         self.atlas.reset()
         close = getattr(self.backend, "close", None)
         if close:

@@ -230,7 +230,8 @@ class EmbeddingJob(Job):
         """One chunk of the current input; pool and close its session after the last."""
         ids = np.asarray(self.inputs[len(self.vectors)], dtype=np.int64)
         if self._session is None:
-            self._session = self.model.session(**self.session_kw)
+            # sized to this input, so budgeted buffers are no larger than it needs
+            self._session = self.model.session(**{"context_limit": len(ids), **self.session_kw})
         a = self._session.n_tokens
         self._hidden.append(self.model.net.forward_chunk(
             self._session, ids[a:a + DEFAULT_CHUNK], hidden=True))
