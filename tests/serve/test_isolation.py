@@ -9,6 +9,7 @@ of being silently ignored (tested below).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -289,3 +290,20 @@ def test_clients_with_different_salts_never_share_blocks(prefixed, api):
     unsalted = _cached(prefixed.url, None, api)[0]
     assert unsalted == 0 or api == "openai"  # the ollama run made the unsalted blocks first
     assert _cached(prefixed.url, None, api)[0] > 0
+
+
+@pytest.mark.parametrize("budget", ["9" * 400, "1TiB", "2TiB", 10**30])
+def test_absurd_budgets_are_a_400_naming_the_field(capped, budget):
+    r = _gen(capped.url, kv_budget=budget)
+    assert r.status_code == 400 and "kv_budget" in r.json()["error"], r.text
+
+
+def test_a_salt_that_is_not_unicode_text_is_a_400_even_with_a_prefix_cache(prefixed):
+    for route, body in (("/api/generate", {"prompt": LONG, "stream": False}),
+                        ("/v1/completions", {"prompt": LONG, "max_tokens": 1})):
+        # valid JSON (the escape "\ud800"), but a lone surrogate has no UTF-8 form to hash
+        raw = json.dumps({"model": MODEL, "cache_salt": "\ud800", **body}).encode()
+        r = httpx.post(prefixed.url + route, timeout=60, content=raw,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert "cache_salt" in r.text

@@ -106,8 +106,12 @@ class BlockSource:
 
 def check_salt(cache_salt) -> str:
     """A request's `cache_salt`: a string of at most MAX_SALT UTF-8 bytes, else ConfigError."""
-    if not isinstance(cache_salt, str) or len(cache_salt.encode("utf-8", "replace")) > MAX_SALT:
-        shown = cache_salt if not isinstance(cache_salt, str) else f"{len(cache_salt)} chars"
+    try:
+        size = len(cache_salt.encode("utf-8")) if isinstance(cache_salt, str) else None
+    except UnicodeEncodeError:  # a lone surrogate: no UTF-8 form to hash
+        raise ConfigError("cache_salt", "is not valid Unicode text (lone surrogate)") from None
+    if size is None or size > MAX_SALT:
+        shown = cache_salt if size is None else f"{len(cache_salt)} chars"
         raise ConfigError("cache_salt", f"must be a string of at most {MAX_SALT} bytes, "
                                         f"got {shown!r:.80}")
     return cache_salt

@@ -26,7 +26,8 @@ from cfr_atlas.models.recompute import RecomputeKv
 
 UNBOUNDED = 1 << 40
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10,
-          "MIB": 1 << 20, "GIB": 1 << 30, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+          "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "K": 1 << 10, "M": 1 << 20,
+          "G": 1 << 30, "T": 1 << 40}
 
 
 def parse_bytes(value, field: str = "kv_budget") -> int:
@@ -38,7 +39,10 @@ def parse_bytes(value, field: str = "kv_budget") -> int:
         if not m or m.group(2).upper() not in _UNITS:
             raise ConfigError(field, f"cannot read {value!r} as a size; use e.g. 512KiB, "
                                      "16MiB, 1GiB")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+        number = m.group(1)
+        if len(number) > 24:  # no size has that many digits; float() would reach inf
+            raise ConfigError(field, f"{len(number)}-digit size is outside [0, 2**40]")
+        n = int(float(number) * _UNITS[m.group(2).upper()])
     if n < 0 or n > UNBOUNDED:
         raise ConfigError(field, f"{n} bytes is outside [0, 2**40]")
     return n

@@ -122,6 +122,11 @@ def get_cache_salt(body: Mapping, key: str = "cache_salt", *, where: str = "") -
     if salt is not None and not 1 <= len(salt) <= MAX_SALT_CHARS:
         raise ConfigError(where + key, f"must be 1 to {MAX_SALT_CHARS} characters, got "
                                        f"{len(salt)}")
+    if salt is not None and not salt.isascii():
+        try:
+            salt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(where + key, "is not valid Unicode text (lone surrogate)") from None
     return salt
 
 
