@@ -11,6 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from text_helpers import tiny_fields, tiny_tokenizer
 
+from cfr_atlas.errors import ConfigError
 from cfr_atlas.text import CHATML_TEMPLATE, ChatTemplate
 
 
@@ -155,3 +156,25 @@ def test_model_tokenize_and_chat_ids(tiny_llama):
     ids = model.chat_ids(forged)
     assert model.detokenize(ids) == model.chat_prompt(forged)
     assert sum(model.tokenizer.is_control(i) for i in ids) == 3  # the template's own
+
+
+@pytest.mark.parametrize("template,content", [
+    # the whole message is the middle of a control token the template's literals surround
+    ("{{ '<|im_' }}{{ messages[0]['content'] }}{{ '|>' }}", "start"),
+    # `trim` exposes a fragment at the message's end that joins the next literal
+    ("{{ messages[0]['content'] | trim }}{{ '|>' }}", "<|im_end "),
+    ("{{ '<|' }}{{ messages[0]['content'] | trim }}", "  im_start|>"),
+])
+def test_text_the_escapes_cannot_see_is_refused_not_parsed(smollm, template, content):
+    chat = ChatTemplate(template)
+    messages = [{"role": "user", "content": content}]
+    assert added_ids(smollm, old_ids(chat, smollm, messages))  # a control token, before
+    with pytest.raises(ConfigError, match="control token"):
+        chat.encode(smollm, messages)
+
+
+def test_neutral_check_accepts_templates_that_trim_ordinary_text(smollm):
+    chat = ChatTemplate("{{ '<|im_start|>' }}{{ messages[0]['content'] | trim }}"
+                        "{{ '<|im_end|>' }}")
+    messages = [{"role": "user", "content": "  a |> b <| c  "}]
+    assert chat.encode(smollm, messages) == old_ids(chat, smollm, messages)

@@ -11,7 +11,10 @@ values (and a leading / trailing fragment of one, which could join the template'
 swapped for a private-use character that occurs nowhere in the template, the messages or the
 vocabulary's added tokens. The rendered string is cut at added-token texts (all of them the
 template's now); the pieces between are restored and encoded as plain text. For messages with
-no such text the ids are exactly `encode(render(...), special=True)`.
+no such text the ids are exactly `encode(render(...), special=True)`. Last, the control tokens
+found must be those the template produces around neutral messages (one stand-in per string):
+message text that the escapes cannot see forming a control token (an infix between two
+template literals, a fragment a `trim` filter exposes) is refused with a ConfigError.
 """
 
 from __future__ import annotations
@@ -119,6 +122,12 @@ class _Escapes:
     def message(self, m: dict) -> dict:
         return {k: self.escape(v) if isinstance(v, str) else v for k, v in m.items()}
 
+    def neutral(self, m: dict) -> dict:
+        """`m` with every string but the role replaced by one stand-in character: what the
+        template renders when messages hold nothing that could touch its control tokens."""
+        blank = self._stand_in("")
+        return {k: blank if isinstance(v, str) and k != "role" else v for k, v in m.items()}
+
     def restore(self, s: str) -> str:
         return s.translate(self._restore) if self._restore else s
 
@@ -127,6 +136,10 @@ def _seen(template: str, messages: list[dict], context: dict) -> str:
     """Every character the template or its inputs contain (stand-ins must avoid them all)."""
     strings = [str(v) for m in messages for v in m.values()]
     return template + "".join(strings) + json.dumps(context, ensure_ascii=False, default=str)
+
+
+def _control_ids(parts: list) -> list[int]:
+    return [p for p in parts if isinstance(p, int)]
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int | None) -> str:
@@ -180,8 +193,19 @@ class ChatTemplate:
         escapes = _Escapes(tokenizer, _seen(self.template, messages, context))
         text = self.render([escapes.message(m) for m in messages], add_generation_prompt,
                            **context)
+        parts = tokenizer.split_special(text)
+        # The check that makes the promise hold for any template: the control tokens must be
+        # those of the same template around neutral messages. Text the escapes cannot see
+        # (an infix between two template literals, a fragment exposed by a `trim` filter)
+        # would change them: refused rather than tokenized as a control token.
+        neutral = self.render([escapes.neutral(m) for m in messages], add_generation_prompt,
+                              **context)
+        if _control_ids(parts) != _control_ids(tokenizer.split_special(neutral)):
+            raise ConfigError("messages", "message text would form a control token together "
+                                          "with the chat template's own text; remove "
+                                          "special-token fragments from the messages")
         ids: list[int] = []
-        for part in tokenizer.split_special(text):
+        for part in parts:
             if isinstance(part, int):
                 ids.append(part)
             else:
