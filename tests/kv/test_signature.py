@@ -97,3 +97,14 @@ def test_signature_carries_this_build_and_its_fingerprint_is_overridable(monkeyp
     assert (fresh.package_version, fresh.kernel_build) == ("9.9.9", "another machine")
     assert SIG.first_mismatch(fresh) == "package_version"
     assert CacheSignature.from_bytes(fresh.to_bytes()) == fresh
+
+
+def test_package_version_names_the_sources_so_an_edited_checkout_misses(tmp_path):
+    from cfr_atlas.kv import build
+
+    assert build.package_version().endswith("+src." + build.source_digest())
+    (tmp_path / "ops").mkdir()
+    (tmp_path / "ops" / "rope.py").write_text("x = 1\n")
+    before = build.source_digest(tmp_path)
+    (tmp_path / "ops" / "rope.py").write_text("x = 2\n")  # one character of one kernel
+    assert build.source_digest(tmp_path) != before
