@@ -85,7 +85,8 @@ def _serve_parser(sub) -> None:
     s.add_argument("--port", type=int, default=11434, help="port (default 11434, Ollama's)")
     s.add_argument("--model", help="path to a .gguf file (default: bundled SmolLM2-135M-Instruct)")
     s.add_argument("--name", default=None, help="model name clients send (default: file name)")
-    s.add_argument("--kv-budget", default=None, help="default per-request " + _KV_HELP)
+    s.add_argument("--kv-budget", default=None, help="per-request K/V budget and its ceiling: "
+                   "requests may ask for less, never more (400). " + _KV_HELP)
     s.add_argument("--cache-dir", default=None, help="folder for page files (default: user cache)")
     s.add_argument("--prefix-cache", default=None, metavar="DIR",
                    help="persistent prefix cache folder shared by all requests; clients that "

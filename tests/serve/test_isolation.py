@@ -1,10 +1,7 @@
 """The server keeps clients apart: the operator's --kv-budget is a ceiling (generation and
 embeddings alike), a long embedding cannot stall the other streams, a message cannot forge
-control tokens, and `cache_salt` is validated and keys the prefix cache.
-
-The salt *behaviour* tests need the engine side (`Session(cache_salt=...)`, another branch of
-issue 9); until it is merged they are skipped, and a valid salt is refused with a 400 instead
-of being silently ignored (tested below).
+control tokens, and `cache_salt` is validated and keys the prefix cache (different salts never
+share blocks, through both APIs).
 """
 
 from __future__ import annotations
