@@ -159,6 +159,8 @@ class SpillKv:
         `prefetch_pages` ahead; replaces any earlier plan."""
         if self.prefetch_pages <= 0:
             return
+        for _, _, fut in self._inflight:
+            fut.cancel()  # not started: never read; running: finishes, its result dropped
         self._inflight.clear()
         self._plan = collections.deque((key, len(tokens)) for key, tokens in pages)
         self._refill()
@@ -169,12 +171,10 @@ class SpillKv:
             self._inflight.append((key, n, self._pool.submit(self._read, key, n)))
 
     def buffer_bytes(self) -> int:
-        """Bytes of page reads held in memory now (read-ahead results not yet used)."""
-        held = 0
-        for _, _, fut in list(self._inflight):
-            if fut.done() and fut.exception() is None:
-                held += sum(len(part) for part in fut.result())
-        return held
+        """Bytes of page reads held or being filled now (read-ahead not yet used), each at
+        its full size once started: header + K and V rows of its tokens."""
+        return sum(HDR_BYTES + 2 * n * self.row_bytes for _, n, fut in list(self._inflight)
+                   if not fut.cancelled())
 
     def regenerate_page(self, key: PageKey, tokens: range, k_out: np.ndarray,
                         v_out: np.ndarray) -> None:
