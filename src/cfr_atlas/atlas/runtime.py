@@ -251,15 +251,7 @@ class Atlas:
         rows = self.cache.read(key, n)
         if rows is not None:
             return rows
-        k_out, v_out = self._stage_k[:n], self._stage_v[:n]
-        k_out.fill(np.nan)
-        v_out.fill(np.nan)
-        try:
-            backend.regenerate_page(key, range(key.start_token, key.start_token + n), k_out, v_out)
-        except AtlasError:
-            raise
-        except Exception as e:
-            raise RegeneratorError(key, f"{type(e).__name__}: {e}") from e
+        k_out, v_out = self._call_regenerator(backend, key, n)
         if not (np.isfinite(k_out).all() and np.isfinite(v_out).all()):
             raise NumericError("regenerated rows are not finite (or not fully written)", key)
         dt = self.config.dtype
@@ -392,18 +384,26 @@ class Atlas:
                         a, b, np.float32(scale), np.float32(cap), alibi, win, m, l, acc)
         return time.perf_counter() - t0
 
-    def _regenerate(self, backend, key: PageKey, n: int, slot: int, policy, context: int) -> None:
-        cfg, c = self.config, self._last
+    def _call_regenerator(self, backend, key: PageKey, n: int):
+        """The staging rows (n, D) float32 as the backend wrote them for `key`'s first n tokens;
+        rows it forgets to write stay NaN (caught as non-finite by the callers); a backend's
+        own exception becomes a RegeneratorError naming the page."""
         k_out, v_out = self._stage_k[:n], self._stage_v[:n]
-        k_out.fill(np.nan)  # rows a backend forgets to write are caught as non-finite
+        k_out.fill(np.nan)
         v_out.fill(np.nan)
-        t0 = time.perf_counter()
         try:
             backend.regenerate_page(key, range(key.start_token, key.start_token + n), k_out, v_out)
         except AtlasError:
             raise
         except Exception as e:
             raise RegeneratorError(key, f"{type(e).__name__}: {e}") from e
+        return k_out, v_out
+
+    def _regenerate(self, backend, key: PageKey, n: int, slot: int, policy, context: int) -> None:
+        cfg, c = self.config, self._last
+        t0 = time.perf_counter()
+        try:
+            k_out, v_out = self._call_regenerator(backend, key, n)
         finally:
             c.regen_seconds += time.perf_counter() - t0
         bad = NumericError("regenerated rows are not finite (or not fully written)", key)
