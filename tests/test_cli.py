@@ -15,44 +15,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
-from gguf.constants import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType
 
 from cfr_atlas import cli
 from cfr_atlas.engine import load_model
 from cfr_atlas.models.session import parse_bytes
+from cfr_atlas.testing import rewrite_gguf
 from cfr_atlas.validate import validation_text
 
 PROMPT = "The capital of France is"
 TELEMETRY = ("kv budget", "peak resident kv", "full kv", "pages regen'd", "hot hit rate",
              "regen seconds", "prompt cached", "tokens/s")  # at least these, in this order
-
-
-def rewrite_gguf(src: Path, dst: Path, *, arch: str | None = None,
-                 retype: dict[str, GGMLQuantizationType] | None = None) -> Path:
-    """Copy GGUF `src` to `dst` field by field and tensor by tensor, with general.architecture
-    set to `arch` and the tensors named in `retype` stored as zero blocks of another type."""
-    r = GGUFReader(src)
-    w = GGUFWriter(dst, arch or r.fields["general.architecture"].contents())
-    for f in r.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue  # written by GGUFWriter itself
-        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
-        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
-    for t in r.tensors:
-        new = (retype or {}).get(t.name)
-        if new is None:
-            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-            continue
-        rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims innermost first
-        block_elems, block_bytes = GGML_QUANT_SIZES[new]
-        w.add_tensor(t.name, np.zeros((rows, cols // block_elems * block_bytes), dtype=np.uint8),
-                     raw_dtype=new)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFValueType
 
 from cfr_atlas import cli
 from cfr_atlas.engine import load_model
 from cfr_atlas.errors import ModelFormatError
 from cfr_atlas.models.gguf_io import GGUFFile
 from cfr_atlas.models.llama import LlamaConfig
+from cfr_atlas.testing import rewrite_gguf
 
 U32, I32, F32, STR = (GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.FLOAT32,
                       GGUFValueType.STRING)
@@ -53,21 +54,7 @@ CASES = {
 
 def with_meta(src: Path, dst: Path, key: str, value, vtype: GGUFValueType) -> Path:
     """Copy GGUF `src` to `dst` with metadata `key` set to `value` of type `vtype`."""
-    r = GGUFReader(src)
-    w = GGUFWriter(dst, r.fields["general.architecture"].contents())
-    for f in r.fields.values():
-        if f.name.startswith("GGUF.") or f.name in ("general.architecture", key):
-            continue
-        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
-        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
-    w.add_key_value(key, value, vtype)
-    for t in r.tensors:
-        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+    return rewrite_gguf(src, dst, meta={key: (value, vtype)})
 
 
 @pytest.fixture(scope="module")

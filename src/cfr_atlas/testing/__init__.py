@@ -11,6 +11,7 @@ from cfr_atlas.testing.tiny_gguf import (
     build_vocab,
     bytes_to_unicode,
     llama3_rope_factors,
+    rewrite_gguf,
     tiny_model_path,
     write_tiny_gguf,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "build_vocab",
     "bytes_to_unicode",
     "llama3_rope_factors",
+    "rewrite_gguf",
     "tiny_model_path",
     "write_tiny_gguf",
 ]

@@ -31,7 +31,15 @@ from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
+from gguf import (
+    GGML_QUANT_VERSION,
+    GGMLQuantizationType,
+    GGUFReader,
+    GGUFValueType,
+    GGUFWriter,
+    LlamaFileType,
+    TokenType,
+)
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
 
@@ -298,3 +306,35 @@ def tiny_model_path(tmp_dir, **kw) -> Path:
         write_tiny_gguf(path, **kw)
         _written.add(path)
     return path
+
+
+def rewrite_gguf(src: Path, dst: Path, *, arch: str | None = None,
+                 retype: dict[str, GGMLQuantizationType] | None = None,
+                 meta: dict[str, tuple[object, GGUFValueType]] | None = None) -> Path:
+    """Copy GGUF `src` to `dst` field by field and tensor by tensor, with general.architecture
+    set to `arch`, metadata `meta` ({key: (value, type)}) set or replaced, and the tensors named
+    in `retype` stored as zero blocks of another type (files tests expect to be refused)."""
+    meta = meta or {}
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, arch or r.fields["general.architecture"].contents())
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture" or f.name in meta:
+            continue  # written by GGUFWriter itself, or replaced below
+        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    for key, (value, vtype) in meta.items():
+        w.add_key_value(key, value, vtype)
+    for t in r.tensors:
+        new = (retype or {}).get(t.name)
+        if new is None:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+            continue
+        rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims innermost first
+        block_elems, block_bytes = GGML_QUANT_SIZES[new]
+        w.add_tensor(t.name, np.zeros((rows, cols // block_elems * block_bytes), dtype=np.uint8),
+                     raw_dtype=new)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
