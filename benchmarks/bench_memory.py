@@ -317,8 +317,8 @@ def memory_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path) -> None:
-    """Decode tokens/s vs budget fraction (log x), one line per context, warm solid, cold
-    dashed; unbounded at fraction 1."""
+    """Decode tokens/s vs budget fraction (log x, linear y from 0), one line per context, warm
+    solid, cold dashed; unbounded at fraction 1."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -330,11 +330,11 @@ def plot(rows: list[dict], path) -> None:
         line, = ax.plot([_fraction(r) for r in sel], [r["warm"]["tps"] for r in sel], "o-",
                         label=f"{key[0]}, {key[1]:,} tokens, warm")
         cold = [r for r in sel if "tps" in r.get("cold", {})]
-        if cold:
+        if any(r["budget_bytes"] is not None for r in cold):  # not the baseline alone
             ax.plot([_fraction(r) for r in cold], [r["cold"]["tps"] for r in cold], "s--",
                     color=line.get_color(), label=f"{key[0]}, {key[1]:,} tokens, cold")
     ax.set_xscale("log")
-    ax.set_yscale("log")
+    ax.set_ylim(bottom=0)
     ax.set(xlabel="budget / full K/V at the context limit (unbounded = 1)",
            ylabel="decode tokens/s (median)", title="decode speed under a K/V budget")
     ax.legend(fontsize=7)
