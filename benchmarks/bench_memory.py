@@ -317,26 +317,34 @@ def memory_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path) -> None:
-    """Decode tokens/s vs budget fraction (log x, linear y from 0), one line per context, warm
-    solid, cold dashed; unbounded at fraction 1."""
+    """Decode tokens/s (left) and its ratio to unbounded (right) vs budget fraction (log x),
+    one line per context, warm solid, cold dashed; unbounded at fraction 1. The right panel
+    marks the issue's targets (0.8x at 10%, 0.6x at the minimum). Rows need `compare` first."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key in dict.fromkeys((_model(r), r["context"]) for r in rows):
+    fig, (ax, rx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, key in enumerate(dict.fromkeys((_model(r), r["context"]) for r in rows)):
         sel = sorted((r for r in rows if (_model(r), r["context"]) == key), key=_fraction)
-        line, = ax.plot([_fraction(r) for r in sel], [r["warm"]["tps"] for r in sel], "o-",
-                        label=f"{key[0]}, {key[1]:,} tokens, warm")
-        cold = [r for r in sel if "tps" in r.get("cold", {})]
-        if any(r["budget_bytes"] is not None for r in cold):  # not the baseline alone
-            ax.plot([_fraction(r) for r in cold], [r["cold"]["tps"] for r in cold], "s--",
-                    color=line.get_color(), label=f"{key[0]}, {key[1]:,} tokens, cold")
-    ax.set_xscale("log")
-    ax.set_ylim(bottom=0)
-    ax.set(xlabel="budget / full K/V at the context limit (unbounded = 1)",
-           ylabel="decode tokens/s (median)", title="decode speed under a K/V budget")
+        label, color = f"{key[0]}, {key[1]:,} tokens", f"C{i}"
+        for cache, style in (("warm", "o-"), ("cold", "s--")):
+            got = [r for r in sel if "tps" in r.get(cache, {})]
+            if cache == "cold" and all(r["budget_bytes"] is None for r in got):
+                continue  # the unbounded baseline alone is not a line
+            xs = [_fraction(r) for r in got]
+            ax.plot(xs, [r[cache]["tps"] for r in got], style, color=color,
+                    label=f"{label}, {cache}")
+            rx.plot(xs, [r[cache]["ratio"] for r in got], style, color=color)
+    for target in (0.8, 0.6):
+        rx.axhline(target, color="grey", linewidth=0.8, linestyle=":")
+    ax.set(xscale="log", yscale="log", ylabel="decode tokens/s (median)",
+           title="decode speed under a K/V budget")
+    rx.set(xscale="log", ylim=(0, None), ylabel="decode tokens/s / unbounded (same context)",
+           title="ratio to unbounded (targets: 0.8x at 10%, 0.6x at min)")
+    for a in (ax, rx):
+        a.set_xlabel("budget / full K/V at the context limit (unbounded = 1)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

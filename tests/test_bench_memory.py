@@ -67,7 +67,7 @@ def _evictable(monkeypatch, bench):
     monkeypatch.setattr(bench, "open_session", open_session)
 
 
-def test_cold_phase_evicts_and_reads_the_page_file(bench, monkeypatch, tiny_gguf):
+def test_cold_phase_evicts_and_reads_the_page_file(bench, monkeypatch, tiny_gguf, tmp_path):
     _evictable(monkeypatch, bench)
     spec = {"model": str(tiny_gguf(context_length=2048)), "tiny": True, "context": 600,
             "decode_tokens": 2, "cold_phase": True, "storage_dtype": "float16",
@@ -84,6 +84,8 @@ def test_cold_phase_evicts_and_reads_the_page_file(bench, monkeypatch, tiny_gguf
     rows = [base | spec | {"budget": "unbounded"}, row | spec | {"budget": "min"}]
     assert bench.compare(rows) == [] and rows[1]["cold"]["bitwise"]
     assert "| cold |" in bench.speed_table(rows)
+    bench.plot(rows, tmp_path / "cold.png")  # the cold (dashed) lines too
+    assert (tmp_path / "cold.png").stat().st_size > 0
 
 
 def test_resident_fraction_sees_a_read_file_and_its_eviction(bench, tmp_path):
