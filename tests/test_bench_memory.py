@@ -30,10 +30,11 @@ def test_tiny_run_prints_tables_json_and_plot(bench, tmp_path, capsys):
             "--decode-tokens", "2", "--json", str(out_json), "--plot", str(out_png)]
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
-    assert "| tiny float32 | 600 | unbounded | warm |" in out
-    assert "| tiny float32 | 600 | min (" in out and " NO " not in out
-    assert "skipped 600 tokens, budget 1%" in out  # below the smallest accepted budget
     rows = json.loads(out_json.read_text())
+    model = f"| tiny {rows[0]['storage_dtype']} | 600 |"  # the session's default dtype
+    assert f"{model} unbounded | warm |" in out and f"{model} min (" in out
+    assert "| NO |" not in out
+    assert "skipped 600 tokens, budget 1%" in out  # below the smallest accepted budget
     assert [r["budget"] for r in rows] == ["unbounded", "min"]
     least = rows[1]
     assert least["budget_bytes"] == least["min_bytes"] >= least["allocated_kv_peak"] > 0
