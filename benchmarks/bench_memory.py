@@ -137,7 +137,7 @@ def warm_up(model, ids, kv: dict, cache_dir) -> None:
 
 def measure(spec: dict) -> dict:
     """One (context, budget) run; see the module docstring. spec: model, tiny, context,
-    budget, decode_tokens, cold, storage_dtype, regenerator."""
+    budget, decode_tokens, cold_phase, storage_dtype, regenerator."""
     from cfr_atlas.engine import load_model
     from cfr_atlas.generate import prefill
 
