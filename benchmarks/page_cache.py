@@ -1,0 +1,81 @@
+"""Page-cache and process-memory tools for the memory benchmark (Linux).
+
+What the process holds (/proc/self/status), whether a file's pages sit in the OS page cache
+(mincore on a fresh mapping), evicting a file from the page cache (fsync, then
+posix_fadvise DONTNEED: clean pages of a file nobody maps are dropped), and a plain sequential
+read of a file from disk, the bandwidth a cold page-file read is compared against. Nothing here
+knows about models or sessions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+
+import numpy as np
+
+READ_CHUNK = 16 << 20  # sequential read size of the plain file read, bytes
+
+
+def rss() -> dict[str, int]:
+    """RssAnon / RssFile / RssShmem of this process, bytes (Linux /proc/self/status)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile", "RssShmem"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def resident_fraction(path) -> float | None:
+    """Fraction of `path`'s pages in the OS page cache now (mincore on a fresh mapping)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0.0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None
+        vec = np.zeros(-(-size // mmap.PAGESIZE), dtype=np.uint8)
+        ok = libc.mincore(addr, size, vec.ctypes.data) == 0
+        libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return float((vec & 1).mean()) if ok else None
+
+
+def drop_file_cache(path) -> None:
+    """Flush `path`'s dirty pages and ask the kernel to drop its cached pages."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def sequential_read(path) -> dict:
+    """Evict `path` from the page cache, then read it front to back in 16 MiB reads."""
+    drop_file_cache(path)
+    resident = resident_fraction(path)
+    buf, n = bytearray(READ_CHUNK), 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t0 = time.perf_counter()
+        while k := os.readv(fd, [buf]):
+            n += k
+        seconds = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    return {"bytes": n, "seconds": seconds, "gb_per_s": n / seconds / 1e9,
+            "resident_before": resident}

@@ -1,0 +1,142 @@
+"""benchmarks/bench_memory.py stays runnable: a tiny run on a generated model prints both tables
+and the plot and exits 0; the cold page-cache phase works against a page file that can be
+evicted; a row that is not bitwise equal, or above its budget, fails the run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_memory.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH.parent))  # its sibling page_cache.py, as when run as a script
+    spec = importlib.util.spec_from_file_location("bench_memory", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_run_prints_tables_json_and_plot(bench, tmp_path, capsys):
+    out_json, out_png = tmp_path / "rows.json", tmp_path / "plot.png"
+    argv = ["--contexts", "", "--tiny-context", "600", "--budgets", "min,1%",
+            "--decode-tokens", "2", "--json", str(out_json), "--plot", str(out_png)]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out_json.read_text())
+    model = f"| tiny {rows[0]['storage_dtype']} | 600 |"  # the session's default dtype
+    assert f"{model} unbounded | warm |" in out and f"{model} min (" in out
+    assert "| NO |" not in out
+    assert "skipped 600 tokens, budget 1%" in out  # below the smallest accepted budget
+    assert [r["budget"] for r in rows] == ["unbounded", "min"]
+    least = rows[1]
+    assert least["budget_bytes"] == least["min_bytes"] >= least["allocated_kv_peak"] > 0
+    assert least["regenerated"] > 0 and least["warm"]["bitwise"]
+    assert {"load", "prefill", "decode", "cold"} <= set(least["phases"])
+    assert least["phases"]["load"]["RssAnon"] > 0 and "RssFile" in least["phases"]["load"]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _evictable(monkeypatch, bench):
+    """Sessions whose spill backend can evict its page file and counts the bytes it reads
+    (what the memory-mapped page file provides), for code that does not have them yet."""
+    from page_cache import drop_file_cache
+
+    real = bench.open_session
+
+    def open_session(model, **kv):
+        s = real(model, **kv)
+        b = s.backend
+        if hasattr(b, "fd") and not hasattr(b, "evict_page_cache"):
+            b.bytes_read, read = 0, b.regenerate_page
+
+            def counted(key, tokens, k_out, v_out):
+                b.bytes_read += 2 * len(tokens) * b.row_bytes
+                read(key, tokens, k_out, v_out)
+
+            b.regenerate_page = counted
+            b.evict_page_cache = lambda: drop_file_cache(b.path)
+        return s
+
+    monkeypatch.setattr(bench, "open_session", open_session)
+
+
+def test_cold_phase_evicts_and_reads_the_page_file(bench, monkeypatch, tiny_gguf, tmp_path):
+    _evictable(monkeypatch, bench)
+    spec = {"model": str(tiny_gguf(context_length=2048)), "tiny": True, "context": 600,
+            "decode_tokens": 2, "cold_phase": True, "storage_dtype": "float16",
+            "regenerator": "spill"}
+    base = bench.measure(spec | {"budget": "unbounded"})
+    row = bench.measure(spec | {"budget": "min"})
+    cold = row["cold"]
+    assert row["storage_dtype"] == "float16" and cold["bytes_read"] > 0
+    assert cold["gb_per_s"] == pytest.approx(cold["bytes_read"] / cold["seconds"] / 1e9)
+    assert cold["resident_before"] is not None and cold["resident_before"] < 1
+    seq = cold["sequential"]
+    assert seq["bytes"] > 0 and seq["gb_per_s"] > 0
+    assert cold["read_ratio"] == pytest.approx(cold["gb_per_s"] / seq["gb_per_s"])
+    rows = [base | spec | {"budget": "unbounded"}, row | spec | {"budget": "min"}]
+    assert bench.compare(rows) == [] and rows[1]["cold"]["bitwise"]
+    assert "| cold |" in bench.speed_table(rows)
+    bench.plot(rows, tmp_path / "cold.png")  # the cold (dashed) lines too
+    assert (tmp_path / "cold.png").stat().st_size > 0
+
+
+def test_resident_fraction_sees_a_read_file_and_its_eviction(bench, tmp_path):
+    from page_cache import drop_file_cache, resident_fraction, sequential_read
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    path.read_bytes()
+    assert resident_fraction(path) > 0.9
+    drop_file_cache(path)
+    if resident_fraction(path) > 0.1:
+        pytest.skip("this file system keeps the file in memory (tmpfs?): nothing to evict")
+    got = sequential_read(path)
+    assert got["bytes"] == 1 << 20 and got["resident_before"] <= 0.1
+    assert resident_fraction(path) > 0.9  # read back in
+
+
+def _row(budget, digest="d", allocated=10, budget_bytes=None):
+    return {"budget": budget, "context": 8, "tiny": True, "storage_dtype": "float32",
+            "budget_bytes": budget_bytes, "prefill_tps": 1.0, "allocated_kv_peak": allocated,
+            "warm": {"tps": 1.0, "digest": digest}}
+
+
+def test_a_row_not_bitwise_equal_or_over_budget_fails(bench):
+    rows = [_row("unbounded"), _row("50%", digest="e", budget_bytes=100),
+            _row("min", allocated=101, budget_bytes=100)]
+    failures = bench.compare(rows)
+    assert len(failures) == 2
+    assert "logits differ" in failures[0] and "101 bytes exceeds the budget 100" in failures[1]
+    table = bench.speed_table(rows)
+    assert table.count("| NO |") == 1 and table.count("| yes |") == 2
+
+
+@pytest.mark.parametrize("spec", ["0%", "101%", "x%", "12 parsecs", "-5MiB"])
+def test_bad_budget_specs_are_refused(bench, spec):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--budgets", spec])
+
+
+def test_budget_bytes_fraction_and_minimum(bench, tiny_gguf):
+    from cfr_atlas.engine import load_model
+    from cfr_atlas.models.session import fixed_kv_bytes
+
+    model = load_model(tiny_gguf(context_length=2048))
+    full = 1000 * model.config.kv_bytes_per_token(2)
+    got = bench.budget_bytes("10%", model, 1000, "float16", 2, 256, "recompute")
+    least = sum(fixed_kv_bytes(model.config, regenerator="recompute", storage_dtype="float16",
+                               context_limit=1000).values())
+    assert got == {"budget_bytes": full // 10, "full_kv_bytes": full, "min_bytes": least}
+    assert bench.budget_bytes("min", model, 1000, "float16", 2, 256, "recompute")[
+        "budget_bytes"] == least
+    assert bench.budget_bytes("2KiB", model, 1000, "float16", 2, 256, "spill")[
+        "budget_bytes"] == 2048
