@@ -18,8 +18,8 @@ text up to the context), after `--decode-tokens` timed greedy tokens with the pa
 the OS page cache ("warm"), and after as many again with the page file evicted from the page
 cache before each timed token ("cold": `session.backend.evict_page_cache()` outside the timed
 region). Decode speed is 1 / the median per-token time. A cold row also reports the effective
-read bandwidth (growth of `session.backend.bytes_read` over the cold tokens' time), how much of
-the page file was still resident just before each token (mincore, mean), and, in the same
+read bandwidth (growth of the telemetry's `page_file_bytes_read` over the cold tokens'
+time), how much of the page file was still resident just before each token (mincore, mean), and, in the same
 process, a plain sequential read of the page file after evicting it (GB/s), with the ratio.
 Unbounded has no page file: its second run of tokens is the baseline for the cold rows. Every
 logit (the last prefill row, every decode step) is hashed and compared with the unbounded run;
@@ -91,19 +91,17 @@ def decode(model, s, logits, n: int, digest, evict=None) -> tuple[np.ndarray, di
         if evict is not None:
             evict()
             resident.append(resident_fraction(s.backend.path))
-        before = getattr(s.backend, "bytes_read", 0)
+        before = s.telemetry_summary()["page_file_bytes_read"]
         tok = np.array([int(np.argmax(logits))], dtype=np.int64)
         t0 = time.perf_counter()
         logits = model.net.forward_chunk(s, tok, all_logits=False)[0]
         times.append(time.perf_counter() - t0)
-        read += getattr(s.backend, "bytes_read", 0) - before
+        read += s.telemetry_summary()["page_file_bytes_read"] - before
         digest.update(logits.tobytes())
     out = {"tps": 1 / statistics.median(times), "tps_mean": n / sum(times),
            "seconds": sum(times), "digest": digest.hexdigest()}
     if evict is not None:
-        known = hasattr(s.backend, "bytes_read")
-        out |= {"bytes_read": read if known else None,
-                "gb_per_s": read / sum(times) / 1e9 if known else None,
+        out |= {"bytes_read": read, "gb_per_s": read / sum(times) / 1e9,
                 "resident_before": None if None in resident else float(np.mean(resident))}
     return logits, out
 

@@ -44,32 +44,7 @@ def test_tiny_run_prints_tables_json_and_plot(bench, tmp_path, capsys):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _evictable(monkeypatch, bench):
-    """Sessions whose spill backend can evict its page file and counts the bytes it reads
-    (what the memory-mapped page file provides), for code that does not have them yet."""
-    from page_cache import drop_file_cache
-
-    real = bench.open_session
-
-    def open_session(model, **kv):
-        s = real(model, **kv)
-        b = s.backend
-        if hasattr(b, "fd") and not hasattr(b, "evict_page_cache"):
-            b.bytes_read, read = 0, b.regenerate_page
-
-            def counted(key, tokens, k_out, v_out):
-                b.bytes_read += 2 * len(tokens) * b.row_bytes
-                read(key, tokens, k_out, v_out)
-
-            b.regenerate_page = counted
-            b.evict_page_cache = lambda: drop_file_cache(b.path)
-        return s
-
-    monkeypatch.setattr(bench, "open_session", open_session)
-
-
-def test_cold_phase_evicts_and_reads_the_page_file(bench, monkeypatch, tiny_gguf, tmp_path):
-    _evictable(monkeypatch, bench)
+def test_cold_phase_evicts_and_reads_the_page_file(bench, tiny_gguf, tmp_path):
     spec = {"model": str(tiny_gguf(context_length=2048)), "tiny": True, "context": 600,
             "decode_tokens": 2, "cold_phase": True, "storage_dtype": "float16",
             "regenerator": "spill"}
