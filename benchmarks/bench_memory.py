@@ -20,7 +20,8 @@ cache before each timed token ("cold": `session.backend.evict_page_cache()` outs
 region). Decode speed is 1 / the median per-token time. A cold row also reports the effective
 read bandwidth (growth of the telemetry's `page_file_bytes_read` over the cold tokens'
 time), how much of the page file was still resident just before each token (mincore, mean),
-and, in the same process, a plain sequential read of the page file after evicting it (GB/s), with the ratio.
+and, in the same process, a plain sequential read of the page file after evicting it (GB/s),
+with the ratio.
 Unbounded has no page file: its second run of tokens is the baseline for the cold rows. Every
 logit (the last prefill row, every decode step) is hashed and compared with the unbounded run;
 a difference, or K/V allocated above the budget, exits with status 1 after the tables.
