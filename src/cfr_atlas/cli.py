@@ -149,19 +149,27 @@ def _fmt_bytes(n) -> str:
     return str(n)
 
 
+def _rate(tokens: int, seconds: float) -> str:
+    return f"{tokens / seconds:.1f}" if seconds else "-"
+
+
 def telemetry_lines(t: dict) -> list[str]:
-    tps = t.get("generated_tokens", 0) / t["seconds"] if t.get("seconds") else 0.0
+    prompt, cached = t.get("prompt_tokens", 0), t.get("prompt_cached_tokens", 0)
+    prefill_s, decode_s = t.get("prefill_seconds", 0.0), t.get("decode_seconds", 0.0)
     return [
         f"kv budget        {_fmt_bytes(t['budget_bytes'])}",
         f"peak resident kv {_fmt_bytes(t['peak_resident_kv_bytes'])}",
         f"allocated kv     {_fmt_bytes(t['peak_allocated_kv_bytes'])} (peak, as allocated)",
         f"full kv          {_fmt_bytes(t['full_kv_bytes'])}",
         f"pages regen'd    {t['pages_regenerated']:,}",
+        f"page file read   {_fmt_bytes(t.get('page_file_bytes_read', 0))}",
         f"hot hit rate     {t['hot_hit_rate']:.1%}",
         f"regen seconds    {t['regen_seconds']:.3f}",
         f"prompt cached    {t.get('prompt_cached_tokens', 0):,} tokens (prefix cache)",
-        f"tokens/s         {tps:.1f} ({t.get('generated_tokens', 0)} tokens, "
-        f"prompt {t.get('prompt_tokens', 0)})",
+        f"prefill tok/s    {_rate(prompt - cached, prefill_s)} (prompt {prompt}, "
+        f"{prompt - cached} computed, {prefill_s:.3f} s)",
+        f"decode tok/s     {_rate(t.get('generated_tokens', 0), decode_s)} "
+        f"({t.get('generated_tokens', 0)} tokens, {decode_s:.3f} s)",
     ]
 
 

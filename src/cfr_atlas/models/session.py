@@ -245,6 +245,8 @@ class Session:
             "hot_hit_rate": t.total.hit_rate,
             "regen_seconds": t.total.regen_seconds,
             "fold_seconds": t.total.fold_seconds,
+            # bytes read back from the sequence's page file (spill); 0 without one
+            "page_file_bytes_read": getattr(self.backend, "bytes_read", 0),
         }
 
     def close(self) -> None:
