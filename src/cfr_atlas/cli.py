@@ -17,8 +17,9 @@ _HINTS = {
     UnsupportedArchitectureError: "; use a GGUF of one of those model families",
 }
 
-_KV_HELP = ("K/V memory budget, e.g. 16MiB (default: unbounded, all K/V in RAM); pages beyond it "
-            "are regenerated exactly, so output does not change")
+_KV_HELP = ("K/V memory budget: a size, e.g. 16MiB, or a share of the full K/V at the context "
+            "limit, e.g. 10%% (default: unbounded, all K/V in RAM); pages beyond it are "
+            "regenerated exactly, so output does not change")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -68,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
                        "position, then a greedy continuation; exit 1 on any difference.")
     v.add_argument("--model", help="path to a .gguf file (default: bundled)")
     v.add_argument("--tokens", type=int, default=8192, help="prompt tokens (default 8192)")
-    v.add_argument("--kv-budget", default="4MiB", help="K/V budget (default 4MiB)")
+    v.add_argument("--kv-budget", default="4MiB",
+                   help="K/V budget, a size or e.g. 10%% of the full K/V (default 4MiB)")
     v.add_argument("--regenerator", default="spill", choices=["spill", "recompute"])
     v.add_argument("--continuation", type=int, default=64, help="greedy tokens (default 64)")
     v.add_argument("--chunk-tokens", type=int, default=256, help="prefill chunk (default 256)")
@@ -86,7 +88,8 @@ def _serve_parser(sub) -> None:
     s.add_argument("--model", help="path to a .gguf file (default: bundled SmolLM2-135M-Instruct)")
     s.add_argument("--name", default=None, help="model name clients send (default: file name)")
     s.add_argument("--kv-budget", default=None, help="per-request K/V budget and its ceiling: "
-                   "requests may ask for less, never more (400). " + _KV_HELP)
+                   "requests may ask for less, never more (400); a percentage is of the full "
+                   "K/V at the model's context length. " + _KV_HELP)
     s.add_argument("--cache-dir", default=None, help="folder for page files (default: user cache)")
     s.add_argument("--prefix-cache", default=None, metavar="DIR",
                    help="persistent prefix cache folder shared by all requests; clients that "
@@ -103,13 +106,13 @@ def _serve_parser(sub) -> None:
 
 def _serve(a) -> None:
     from cfr_atlas.errors import ConfigError
-    from cfr_atlas.models.session import parse_bytes
+    from cfr_atlas.models.session import check_kv_budget
     from cfr_atlas.serve import ServerConfig, serve
 
     for name in ("max_active", "max_queue"):
         if getattr(a, name) < 1:
             raise ConfigError(name, f"must be >= 1, got {getattr(a, name)}")
-    budget = None if a.kv_budget is None else parse_bytes(a.kv_budget)
+    budget = None if a.kv_budget is None else check_kv_budget(a.kv_budget)  # bytes or "10%"
     serve(ServerConfig(host=a.host, port=a.port, model_path=a.model, model_name=a.name,
                        kv_budget=budget, cache_dir=a.cache_dir, max_active=a.max_active,
                        max_queue=a.max_queue, max_tokens=a.max_tokens),
