@@ -114,7 +114,7 @@ def test_subprocess_prints_no_traceback(bad_files, name):
 @pytest.mark.parametrize("argv, phrases", [
     (["--kv-budget", "abc"], ("kv_budget", "cannot read 'abc' as a size", "16MiB")),
     (["--kv-budget", "1KiB"], ("kv_budget", "1,024 bytes is below", "scratch",
-                               "smallest accepted budget is 98,368 bytes")),
+                               "smallest accepted budget is 65,536 bytes")),
     (["--max-tokens", "-1"], ("max_tokens", "-1")),
 ])  # fmt: skip
 def test_bad_option_values_exit_2(capsys, tiny_llama, tmp_path, argv, phrases):
@@ -253,19 +253,25 @@ def test_check_exact_passes_when_budgeted_run_is_bitwise_equal(capsys, tiny_llam
 
 
 def test_check_exact_fails_on_a_real_mismatch(capsys, monkeypatch, tiny_llama, tmp_path):
-    """A page file that silently returns one V value off by 2**-10 (its checksum still holds):
-    the budgeted run's logits differ from the all-in-RAM run's, so exit 1 with a clear line."""
+    """A page file whose mapped pages silently hold one V value off in its last bit (with
+    checksums to match): the budgeted run's logits differ from the all-in-RAM run's, so exit 1."""
+    from cfr_atlas.atlas.page_sum import page_checksum
     from cfr_atlas.kv.page_file import SpillKv
 
     faults = []
-    real = SpillKv.regenerate_page
+    real = SpillKv.map_pages
 
-    def corrupted(self, key, tokens, k_out, v_out):
-        real(self, key, tokens, k_out, v_out)
-        v_out[0, 0] += np.float32(2.0**-10)
-        faults.append(key)
+    def corrupted(self, layer, heads, lo, lens, need):
+        maps = real(self, layer, heads, lo, lens, need)
+        v, expect = maps.v.copy(), maps.expect.copy()
+        for h, i in np.argwhere(need & ~maps.missing):
+            s = maps.slot[h, i]
+            v[s].reshape(-1).view(np.uint8)[0] ^= 1  # the last bit of one V element
+            expect[h, i] = page_checksum(maps.k[s], v[s])
+            faults.append((layer, h, i))
+        return maps._replace(v=v, expect=expect)
 
-    monkeypatch.setattr(SpillKv, "regenerate_page", corrupted)
+    monkeypatch.setattr(SpillKv, "map_pages", corrupted)
     code, out, err = run(capsys, *CHECK_EXACT, "--model", tiny_llama, "--cache-dir", tmp_path)
     assert faults, "the budgeted run regenerated no page: the fault never fired"
     assert code == 1, err

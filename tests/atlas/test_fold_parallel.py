@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from cfr_atlas.atlas import fold
-from cfr_atlas.atlas.storage import StorageDtype, round_rows
+from cfr_atlas.atlas.storage import StorageDtype, format_of, round_rows
 
 CASES = {
     "plain": {}, "window": dict(window=7), "softcap": dict(softcap=3.0),
@@ -37,18 +37,24 @@ def _problem(rng, dtype, *, T=3, H=2, G=2, D=12, P=5, context=33, split=2, windo
     """(fold args without the state, state shape, sinks) of a random walk over all pages."""
     S, C = 9, 4
     q = rng.standard_normal((T, H, G, D)).astype(np.float32)
-    k_hot, v_hot, k_scr, v_scr = (round_rows(rng.uniform(-2, 2, (n, P, D)).astype(np.float32),
-                                             dtype) for n in (S, S, C, C))
-    k_hot, k_scr = (np.ascontiguousarray(a.transpose(0, 2, 1)) for a in (k_hot, k_scr))
+    k_hot, v_hot, k_scr, v_scr, k_map, v_map = (
+        round_rows(rng.uniform(-2, 2, (n, P, D)).astype(np.float32), dtype)
+        for n in (S, S, C, C, C, C))
+    k_hot, k_scr, k_map = (np.ascontiguousarray(a.transpose(0, 2, 1))
+                           for a in (k_hot, k_scr, k_map))
     n_pages = -(-context // P)
-    src = rng.integers(0, 2, (H, n_pages)).astype(np.int64)
+    src = rng.integers(0, 3, (H, n_pages)).astype(np.int64)
     slot = np.where(src == fold.SRC_HOT, rng.integers(0, S, (H, n_pages)),
                     rng.integers(0, C, (H, n_pages))).astype(np.int64)
+    expect = np.zeros((H, n_pages), dtype=np.uint32)  # wrong for most mapped pages: flags
     slopes = rng.uniform(0, 0.5, (H, G)) if alibi else np.zeros((H, G))
     sink = rng.uniform(-2, 2, (H, G)) if sinks else np.full((H, G), np.nan)
-    args = (q, np.arange(context - T, context, dtype=np.int64), k_hot, v_hot, k_scr, v_scr,
-            dtype.code, src, slot, 0, context, split, 0, H * n_pages,
-            np.float32(1 / math.sqrt(D)), np.float32(softcap), slopes.astype(np.float32), window)
+    args = (q, np.arange(context - T, context, dtype=np.int64),
+            (k_hot, v_hot, k_scr, v_scr, k_map, v_map),
+            (src, slot, expect, np.zeros((H, n_pages), dtype=np.uint8)),
+            (0, context, split, 0, H * n_pages),
+            (np.float32(1 / math.sqrt(D)), np.float32(softcap), slopes.astype(np.float32),
+             window, format_of(dtype)))
     return args, (T, H, -(-n_pages // split), G, D), sink.astype(np.float32)
 
 
@@ -79,20 +85,27 @@ def parallel_calls(monkeypatch):
 def _serial(args, shape, sinks):
     """The serial kernels called directly: the baseline whatever the threshold says."""
     m, l, acc = _state(*shape)
-    q, src, lo, split = args[0], args[7], args[9], args[11]
-    fold._fold_serial(*args, m, l, acc, fold._n_items(q, src, lo, split))
+    args = _fresh_flags(args)
+    fold._fold_serial(*args, (m, l, acc), fold._n_items(args[0], args[3], args[4]))
     out = np.empty(shape[:2] + shape[3:], dtype=np.float32)
     fold._merge_serial(m, l, acc, sinks, out)
-    return m, l, acc, out
+    return m, l, acc, out, args[3][3]
+
+
+def _fresh_flags(args):
+    """The same problem with its own `bad` flags (each run's are compared, not shared)."""
+    src, slot, expect, bad = args[3]
+    return args[:3] + ((src, slot, expect, np.zeros_like(bad)),) + args[4:]
 
 
 def _dispatched(args, shape, sinks):
     """Through the public entry points, which choose the kernel by size."""
     m, l, acc = _state(*shape)
-    fold.fold_pages(*args, m, l, acc)
+    args = _fresh_flags(args)
+    fold.fold_pages(*args, (m, l, acc))
     out = np.empty(shape[:2] + shape[3:], dtype=np.float32)
     fold.merge_partitions(m, l, acc, sinks, out)
-    return m, l, acc, out
+    return m, l, acc, out, args[3][3]
 
 
 def _assert_bitwise(a, b):

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from cfr_atlas.atlas import fold
-from cfr_atlas.atlas.storage import StorageDtype, round_rows, widen
+from cfr_atlas.atlas.page_sum import page_checksum_numpy
+from cfr_atlas.atlas.storage import StorageDtype, format_of, round_rows, widen
 
 U32 = 2.0**-24
 
@@ -28,26 +29,34 @@ def _problem(rng, dtype: StorageDtype, *, T=3, H=2, G=2, D=12, P=5, context=33, 
     q = rng.standard_normal((T, H, G, D)).astype(np.float32)
     k_hot, v_hot = (round_rows(rng.uniform(-2, 2, (S, P, D)).astype(np.float32), dtype)
                     for _ in range(2))
-    k_scr, v_scr = (round_rows(rng.uniform(-2, 2, (C, P, D)).astype(np.float32), dtype)
-                    for _ in range(2))
+    k_scr, v_scr, k_map, v_map = (round_rows(rng.uniform(-2, 2, (C, P, D)).astype(np.float32),
+                                             dtype) for _ in range(4))
     # K pages are stored transposed, (slots, D, P)
-    k_hot, k_scr = (np.ascontiguousarray(a.transpose(0, 2, 1)) for a in (k_hot, k_scr))
+    k_hot, k_scr, k_map = (np.ascontiguousarray(a.transpose(0, 2, 1))
+                           for a in (k_hot, k_scr, k_map))
     n_pages = -(-context // P)
     lo = max(0, (context - T - window + 1) // P) if window else 0
     n_pg = n_pages - lo
-    src = rng.integers(0, 2, (H, n_pg)).astype(np.int64)
+    src = rng.integers(0, 3, (H, n_pg)).astype(np.int64)  # hot, scratch or mapped pages
     slot = np.where(src == fold.SRC_HOT, rng.integers(0, S, (H, n_pg)),
                     rng.integers(0, C, (H, n_pg))).astype(np.int64)
+    expect = np.array([[page_checksum_numpy(k_map[s], v_map[s]) if c == fold.SRC_MAP else 0
+                        for s, c in zip(row, kinds, strict=True)]
+                       for row, kinds in zip(slot, src, strict=True)],
+                      dtype=np.uint32).reshape(H, n_pg)
     slopes = rng.uniform(0, 0.5, (H, G)) if alibi else np.zeros((H, G))
     sink = rng.uniform(-2, 2, (H, G)) if sinks else np.full((H, G), np.nan)
     if sinks:
         sink[0, 0] = np.nan  # a head without a sink beside heads with one
-    args = (q, np.arange(context - T, context, dtype=np.int64), k_hot, v_hot, k_scr, v_scr,
-            dtype.code, src, slot, lo, context, split, 0, H * n_pg,
-            np.float32(1 / math.sqrt(D)), np.float32(softcap), slopes.astype(np.float32), window)
+    args = (q, np.arange(context - T, context, dtype=np.int64),
+            (k_hot, v_hot, k_scr, v_scr, k_map, v_map),
+            (src, slot, expect, np.zeros((H, n_pg), dtype=np.uint8)),
+            (lo, context, split, 0, H * n_pg),
+            (np.float32(1 / math.sqrt(D)), np.float32(softcap), slopes.astype(np.float32),
+             window, format_of(dtype)))
     n_part = -(-n_pages // split)
-    widest = max(np.abs(widen(a, dtype)).max() for a in (k_hot, k_scr))
-    vmax = max(np.abs(widen(a, dtype)).max() for a in (v_hot, v_scr))
+    widest = max(np.abs(widen(a, dtype)).max() for a in (k_hot, k_scr, k_map))
+    vmax = max(np.abs(widen(a, dtype)).max() for a in (v_hot, v_scr, v_map))
     magnitude = (np.abs(q).sum(axis=-1).max() * widest / math.sqrt(D) + softcap
                  + slopes.max() * context)
     gamma = (D + 10) * U32 / (1 - (D + 10) * U32)
@@ -77,8 +86,9 @@ def test_fold_and_merge_match_numpy_twins(dtype, case):
     args, shape, sinks, tol = _problem(rng, dtype, **CASES[case])
     m1, l1, acc1 = _state(*shape)
     m2, l2, acc2 = _state(*shape)
-    fold.fold_pages(*args, m1, l1, acc1)
-    fold.fold_pages_numpy(*args, m2, l2, acc2)
+    fold.fold_pages(*args, (m1, l1, acc1))
+    fold.fold_pages_numpy(*args, (m2, l2, acc2))
+    assert not args[3][3].any()  # every mapped page passed its checksum
     assert np.array_equal(np.isinf(m1), np.isinf(m2))  # the same partitions saw tokens
     assert np.array_equal(l1 == 0, l2 == 0)
 
@@ -90,3 +100,22 @@ def test_fold_and_merge_match_numpy_twins(dtype, case):
     # merges on identical states: at most one float32 ulp apart
     fold.merge_partitions_numpy(m1, l1, acc1, sinks, out_twin)
     assert np.all(np.abs(out_kernel - out_twin) <= 2.0**-23 * np.abs(out_twin) + 2.0**-126)
+
+
+@pytest.mark.parametrize("dtype", list(StorageDtype), ids=lambda d: d.value)
+@pytest.mark.parametrize("case", ["plain", "window", "one page"])
+def test_a_damaged_mapped_page_is_flagged_by_kernel_and_twin(dtype, case):
+    rng = np.random.default_rng(11)
+    args, shape, _, _ = _problem(rng, dtype, **CASES[case])
+    src, slot, expect, bad = args[3]
+    mapped = np.argwhere(src == fold.SRC_MAP)
+    assert len(mapped), "the problem has no mapped page"
+    h, i = mapped[-1]
+    k_map = args[2][4]
+    k_map[slot[h, i]].reshape(-1).view(np.uint8)[1] ^= 0x10  # one byte of its K^T block
+    damaged = (slot == slot[h, i]) & (src == fold.SRC_MAP)  # every walk page on that slot
+    fold.fold_pages(*args, _state(*shape))
+    assert np.array_equal(bad.astype(bool), damaged)
+    twin_bad = np.zeros_like(bad)
+    fold.fold_pages_numpy(*args[:3], (src, slot, expect, twin_bad), *args[4:], _state(*shape))
+    assert np.array_equal(twin_bad, bad)

@@ -19,7 +19,8 @@ HOLD_PAGE_FILE = """
 import os, sys
 from cfr_atlas.atlas.storage import StorageDtype
 from cfr_atlas.kv import SpillKv
-spill = SpillKv(sys.argv[1], 4, 8, StorageDtype.FLOAT32, "ab" * 32)
+spill = SpillKv(sys.argv[1], 4, 8, StorageDtype.FLOAT32, "ab" * 32, n_layers=1, n_kv_heads=1,
+                context_tokens=8)
 print(spill.path, flush=True)
 sys.stdin.readline()
 os._exit(0)  # dies without closing: the file is left behind, its lock released by the kernel
@@ -35,7 +36,8 @@ def _dead_pid() -> int:
 def test_page_file_0600_in_a_0700_folder_whatever_the_umask(tmp_path):
     old = os.umask(0)
     try:
-        spill = SpillKv(tmp_path / "pages", 4, 8, StorageDtype.FLOAT32, "ab" * 32)
+        spill = SpillKv(tmp_path / "pages", 4, 8, StorageDtype.FLOAT32, "ab" * 32, n_layers=1,
+                        n_kv_heads=1, context_tokens=8)
     finally:
         os.umask(old)
     assert stat.S_IMODE(spill.path.parent.stat().st_mode) == 0o700
@@ -56,7 +58,8 @@ def test_live_page_file_of_another_process_survives_clean_up(tmp_path):
         renamed = path.with_name(f"seq-{_dead_pid()}-{path.name.split('-', 2)[2]}")
         path.rename(renamed)
         assert clean_stale(folder) == 0 and renamed.exists()
-        mine = SpillKv(folder, 4, 8, StorageDtype.FLOAT32, "cd" * 32)  # cleans up on open
+        mine = SpillKv(folder, 4, 8, StorageDtype.FLOAT32, "cd" * 32, n_layers=1, n_kv_heads=1,
+                       context_tokens=8)  # cleans up on open
         assert renamed.exists() and clean_stale(folder) == 0   # and spares our own live file
         assert mine.path.exists()
     finally:

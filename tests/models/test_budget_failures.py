@@ -33,19 +33,19 @@ def test_full_disk_fails_request_and_leaves_other_sequences_working(model, tmp_p
     other = model.session(cache_dir=tmp_path, **KV)
     prefill(model.net, other, IDS[:8])
     victim = model.session(cache_dir=tmp_path, **KV)
-    real = os.pwrite
+    real = os.posix_fallocate
 
-    def full(fd, data, offset):
-        if fd == victim.backend.fd and offset > 4096:
+    def full(fd, offset, length):  # blocks for new pages are reserved before rows are stored
+        if fd == victim.backend.fd:
             raise OSError(28, "No space left on device")
-        return real(fd, data, offset)
+        return real(fd, offset, length)
 
-    monkeypatch.setattr(page_file.os, "pwrite", full)
+    monkeypatch.setattr(page_file.os, "posix_fallocate", full)
     with pytest.raises(CapacityError, match="No space left"):
         prefill(model.net, victim, IDS)
     victim.close()
     assert victim.atlas.cache.resident_bytes == 0 and not victim.backend.path.exists()
-    monkeypatch.setattr(page_file.os, "pwrite", real)
+    monkeypatch.setattr(page_file.os, "posix_fallocate", real)
     rest = prefill(model.net, other, IDS[8:], all_logits=True)
     assert np.array_equal(rest, base[8:])
     other.close()
@@ -62,23 +62,33 @@ def test_deleted_page_file_fails_with_corrupt_page_error(model, tmp_path):
     s.close()
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "header"])
-def test_damaged_page_file_raises_corrupt_page_error(model, tmp_path, damage):
-    s = model.session(cache_dir=tmp_path, **KV)
+@pytest.mark.parametrize("damage", ["flip K", "flip V", "zero", "foreign", "truncate"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_damaged_page_file_raises_corrupt_page_error(model, tmp_path, damage, dtype):
+    """Damage written through the file (another process, the disk), not through the
+    mapping: the fold that reads the page sees it and raises, on the decode path too."""
+    s = model.session(cache_dir=tmp_path, storage_dtype=dtype, **KV)
     prefill(model.net, s, IDS[:12])
-    path = s.backend.path
-    data = bytearray(path.read_bytes())
-    if damage == "flip":
-        data[page_file.HDR_BYTES * 2 + 5] ^= 0x40      # a K row byte of the first slot
-    elif damage == "header":
-        data[page_file.HDR_BYTES + 4] ^= 0x01          # the first slot's layer field
-    else:
-        data = data[: len(data) // 2]
-    with open(path, "r+b") as f:
-        f.truncate(0)
-        f.write(bytes(data))
+    spill = s.backend
+    k_off = page_file.HDR_BYTES                              # slot 0: layer 0, head 0, page 0
+    v_off = page_file.HDR_BYTES + len(spill.tokens) * spill.page_bytes
+    with open(spill.path, "r+b") as f:
+        if damage == "truncate":
+            f.truncate(spill.file_bytes // 2)
+        elif damage == "zero":
+            f.seek(v_off)
+            f.write(bytes(spill.page_bytes))
+        else:
+            off = {"flip K": k_off, "flip V": v_off, "foreign": v_off}[damage]
+            f.seek(off)
+            old = f.read(8)
+            f.seek(off)
+            # a flipped bit, or the V rows of another page (slot 1) in place of slot 0's
+            f.write(bytes([old[0] ^ 0x40]) + old[1:] if damage != "foreign" else
+                    spill._v[1].tobytes())
     with pytest.raises(CorruptPageError):
-        prefill(model.net, s, IDS[12:])
+        for t in IDS[12:]:  # one token at a time: the decode path
+            prefill(model.net, s, np.array([t]))
     s.close()
 
 
@@ -105,12 +115,15 @@ def test_two_sessions_share_a_cache_dir_without_collisions(model, tmp_path):
     b.close()
 
 
-@pytest.mark.parametrize("prefetch", [0, 2, 8])
-def test_prefetch_depth_changes_nothing(model, tmp_path, prefetch):
-    base = model.logits(IDS, page_tokens=4)
-    # the smallest budget: scratch, staging and the page reads (in progress + read ahead)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_smallest_budget_reads_every_page_from_the_file_and_changes_nothing(model, tmp_path,
+                                                                            dtype):
+    base = model.logits(IDS, page_tokens=4, storage_dtype=dtype)
+    # the smallest budget: scratch and staging; every page is read in place from the file
     smallest = sum(fixed_kv_bytes(model.config, page_tokens=4, context_limit=len(IDS),
-                                  prefetch_pages=prefetch).values())
+                                  storage_dtype=dtype).values())
     got = model.logits(IDS, cache_dir=tmp_path, kv_budget=smallest, page_tokens=4,
-                       prefetch_pages=prefetch, chunk_tokens=3)
+                       chunk_tokens=3, storage_dtype=dtype)
     assert np.array_equal(got, base)
+    assert model.last_telemetry["page_file_bytes_read"] > 0
+    assert model.last_telemetry["peak_allocated_kv_bytes"] <= smallest

@@ -20,6 +20,14 @@ summed over dims in order, K pages stored transposed so keys fill the vector lan
 weight is rounded to float32 once and used for both l and the page's float32 sum of V rows;
 l and acc accumulate across pages in float64 (see docs/MATH.md).
 
+Pages come from three slabs of one layout (K^T (S, D, P), V (S, P, D), storage dtype): the hot
+cache (SRC_HOT), regeneration scratch (SRC_SCRATCH), and a regenerator's memory-mapped pages
+(SRC_MAP, e.g. the page file in the OS page cache, read in place). A mapped page is verified in
+the same kernel: the work item that reads it last computes its checksum (page_sum.py) right
+after folding it, from L1/L2, and flags a mismatch in `bad`; the caller raises before the
+result is used. 16-bit elements are
+read directly (`to_f32`), never widened into a copy of the page.
+
 Each numba kernel has a NumPy twin (`fold_pages_numpy`, `merge_partitions_numpy`) with the same
 signature, used by the tests. This module holds no cache or policy logic.
 """
@@ -29,52 +37,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import overload
+from numba import njit, prange
 
-from cfr_atlas.atlas.storage import widen_into
+from cfr_atlas.atlas.page_sum import page_checksum, page_checksum_numpy
+from cfr_atlas.atlas.storage import to_f32
 
-SRC_HOT, SRC_SCRATCH = 0, 1
-
-
-def _as_f32_rows(rows, j0, j1, code, buf):
-    """rows: (n, D) stored -> a float32 (n, D) view of rows j0..j1 (a copy for 16-bit storage)."""
-    if code == 0:
-        return rows
-    widen_into(rows[j0:j1], code, buf[j0:j1])
-    return buf
-
-
-@overload(_as_f32_rows, jit_options={"cache": True})
-def _as_f32_rows_ov(rows, j0, j1, code, buf):
-    if rows.dtype == types.float32:
-        return lambda rows, j0, j1, code, buf: rows
-
-    def impl(rows, j0, j1, code, buf):
-        widen_into(rows[j0:j1], code, buf[j0:j1])
-        return buf
-
-    return impl
-
-
-def _as_f32_cols(cols, j0, j1, code, buf):
-    """cols: (D, n) stored K^T -> a float32 (D, n) view of columns j0..j1 (a copy for 16-bit)."""
-    if code == 0:
-        return cols
-    widen_into(cols[:, j0:j1], code, buf[:, j0:j1])
-    return buf
-
-
-@overload(_as_f32_cols, jit_options={"cache": True})
-def _as_f32_cols_ov(cols, j0, j1, code, buf):
-    if cols.dtype == types.float32:
-        return lambda cols, j0, j1, code, buf: cols
-
-    def impl(cols, j0, j1, code, buf):
-        widen_into(cols[:, j0:j1], code, buf[:, j0:j1])
-        return buf
-
-    return impl
+SRC_HOT, SRC_SCRATCH, SRC_MAP = 0, 1, 2
 
 
 # exp for the per-key weights: Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, a degree-11
@@ -113,8 +81,26 @@ def _exp_into(x, n_items, out, bits):
 
 
 @njit(cache=True, inline="always")
-def _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, context, split, a, b,
-               scale, softcap, alibi, window, m, l, acc):
+def _page_slabs(slabs, src, s):
+    """(K^T page (D, P), V page (P, D)) at slot s of source src."""
+    k_hot, v_hot, k_scr, v_scr, k_map, v_map = slabs
+    if src == SRC_HOT:
+        return k_hot[s], v_hot[s]
+    if src == SRC_SCRATCH:
+        return k_scr[s], v_scr[s]
+    return k_map[s], v_map[s]
+
+
+@njit(cache=True, inline="always")
+def _last_reader(t, qpos, window, last_key):
+    """Is query t the last of the call to read a page whose last key is at `last_key`?"""
+    if t == qpos.shape[0] - 1:
+        return True
+    return window > 0 and qpos[t + 1] - window + 1 > last_key
+
+
+@njit(cache=True, inline="always")
+def _fold_item(w, q, qpos, slabs, walk, span, score, state):
     """Work item w = (head h, partition, query t): fold the partition's pages of the walk
     slice a..b, in page order, into state (t, h, partition).
 
@@ -123,8 +109,12 @@ def _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, cont
     float32 weight enters l (summed in float64) and the page's float32 weighted sum of V rows
     (keys in order), which is then added into the float64 acc.
     """
+    src, slot, expect, bad = walk
+    lo, context, split, a, b = span
+    scale, softcap, alibi, window, fmt = score
+    m, l, acc = state
     n_tok, n_head, n_grp, d = q.shape
-    page_tokens = v_hot.shape[1]
+    page_tokens = slabs[1].shape[1]
     n_pg = src.shape[1]
     p0 = lo // split
     n_items_part = (lo + n_pg - 1) // split - p0 + 1
@@ -139,9 +129,7 @@ def _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, cont
     p = np.empty((n_grp, page_tokens), dtype=np.float32)
     bits = np.empty(page_tokens, dtype=np.int64)
     ag = np.empty((n_grp, d), dtype=np.float32)
-    wide = code != 0  # 16-bit pages are widened into these; float32 pages are read in place
-    kbuf = np.empty((d, page_tokens) if wide else (1, 1), dtype=np.float32)
-    vbuf = np.empty((page_tokens, d) if wide else (1, 1), dtype=np.float32)
+    vt = np.empty(d, dtype=np.float32)
     for gp in range(max(part * split, lo), min((part + 1) * split, lo + n_pg)):
         f = h * n_pg + gp - lo
         if f < a or f >= b:
@@ -149,18 +137,14 @@ def _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, cont
         start = gp * page_tokens
         if start > pos:
             break
+        n_valid = min(page_tokens, context - start)
         j0 = max(0, low - start)
-        j1 = min(min(page_tokens, context - start), pos - start + 1)
+        j1 = min(n_valid, pos - start + 1)
         if j0 >= j1:
             continue
         i = gp - lo
-        if src[h, i] == SRC_HOT:
-            kr, vr = k_hot[slot[h, i]], v_hot[slot[h, i]]
-        else:
-            kr, vr = k_scr[slot[h, i]], v_scr[slot[h, i]]
+        kf, vf = _page_slabs(slabs, src[h, i], slot[h, i])
         n = j1 - j0
-        kf = _as_f32_cols(kr, j0, j1, code, kbuf)
-        vf = _as_f32_rows(vr, j0, j1, code, vbuf)
         for g in range(n_grp):
             sg = s[g]
             for j in range(n):
@@ -169,7 +153,7 @@ def _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, cont
                 qe = q[t, h, g, e]
                 ke = kf[e]
                 for j in range(n):
-                    sg[j] += qe * ke[j0 + j]
+                    sg[j] += qe * to_f32(ke[j0 + j], fmt)
             for j in range(n):  # then scale, softcap, ALiBi: one simple loop each
                 sg[j] = sg[j] * scale
             if softcap > 0.0:
@@ -200,34 +184,36 @@ def _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, cont
                 ag[g, e] = 0.0
         for j in range(n):  # the page's sum of p V, keys in order; each V row read once
             vrow = vf[j0 + j]
+            for e in range(d):
+                vt[e] = to_f32(vrow[e], fmt)
             for g in range(n_grp):
                 pj = p[g, j]
                 for e in range(d):
-                    ag[g, e] += pj * vrow[e]
+                    ag[g, e] += pj * vt[e]
         for g in range(n_grp):
             for e in range(d):
                 acc[t, h, part, g, e] += np.float64(ag[g, e])
+        # a mapped page is verified by its last reader, right after folding it (from L1/L2)
+        if src[h, i] == SRC_MAP and _last_reader(t, qpos, window, start + n_valid - 1):
+            if page_checksum(kf, vf) != expect[h, i]:
+                bad[h, i] = 1
 
 
-def _n_items(q, src, lo, split):
-    n_pg = src.shape[1]
-    return src.shape[0] * ((lo + n_pg - 1) // split - lo // split + 1) * q.shape[0]
+def _n_items(q, walk, span):
+    n_pg, lo, split = walk[0].shape[1], span[0], span[2]
+    return walk[0].shape[0] * ((lo + n_pg - 1) // split - lo // split + 1) * q.shape[0]
 
 
 @njit(cache=True, nogil=True)
-def _fold_serial(q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, context, split, a, b,
-                 scale, softcap, alibi, window, m, l, acc, n_items):
+def _fold_serial(q, qpos, slabs, walk, span, score, state, n_items):
     for w in range(n_items):
-        _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, context, split,
-                   a, b, scale, softcap, alibi, window, m, l, acc)
+        _fold_item(w, q, qpos, slabs, walk, span, score, state)
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _fold_parallel(q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, context, split, a,
-                   b, scale, softcap, alibi, window, m, l, acc, n_items):
+def _fold_parallel(q, qpos, slabs, walk, span, score, state, n_items):
     for w in prange(n_items):
-        _fold_item(w, q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, context, split,
-                   a, b, scale, softcap, alibi, window, m, l, acc)
+        _fold_item(w, q, qpos, slabs, walk, span, score, state)
 
 
 # Below this many (query head x key) pairs a call runs on one thread: waking the pool costs
@@ -236,22 +222,23 @@ def _fold_parallel(q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, con
 PARALLEL_MIN_PAIRS = 1 << 13
 
 
-def fold_pages(q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, context, split, a, b,
-               scale, softcap, alibi, window, m, l, acc):
+def fold_pages(q, qpos, slabs, walk, span, score, state):
     """Absorb pages a..b of a walk into the partition states.
 
-    The walk covers pages lo..lo+NP-1 of H K/V heads, head-major: flat index f = h * NP + i is
-    page lo + i of head h, which comes from the slab (src[h, i] == SRC_HOT) or from scratch, at
-    slot[h, i]; src, slot: (H, NP) int64. Page g covers tokens [g P, min((g+1) P, context)).
-    q: (T, H, G, D) f32 queries at positions qpos (T,); k_hot: (S, D, P) K^T slab, v_hot:
-    (S, P, D) V slab; k_scr/v_scr: the same layouts for scratch. Partition of page g: g // split.
-    alibi: (H, G) f32 slopes (0 = none); softcap 0 = none; window 0 = none.
-    m, l: (T, H, NPART, G) f64; acc: (T, H, NPART, G, D) f64 — updated in place.
+    slabs = (k_hot, v_hot, k_scr, v_scr, k_map, v_map): K^T (S, D, P) and V (S, P, D) slabs of
+    one storage dtype. walk = (src, slot, expect, bad), each (H, NP): the walk covers pages
+    lo..lo+NP-1 of H K/V heads, head-major (flat index f = h * NP + i is page lo + i of head h),
+    read from slab src[h, i] at slot[h, i]; a SRC_MAP page whose checksum differs from
+    expect[h, i] (uint32) sets bad[h, i] (uint8). span = (lo, context, split, a, b): page g
+    covers tokens [g P, min((g+1) P, context)), partition g // split. score = (scale f32,
+    softcap f32 (0 = none), alibi (H, G) f32 slopes (0 = none), window (0 = none), fmt (the
+    storage format marker, storage.FORMATS)). q: (T, H, G, D) f32 queries at positions qpos (T,).
+    state = (m, l: (T, H, NPART, G) f64, acc: (T, H, NPART, G, D) f64), updated in place.
     """
-    pairs = q.shape[0] * q.shape[2] * (b - a) * k_hot.shape[2]
+    a, b = span[3], span[4]
+    pairs = q.shape[0] * q.shape[2] * (b - a) * slabs[0].shape[2]
     kernel = _fold_parallel if pairs >= PARALLEL_MIN_PAIRS else _fold_serial
-    kernel(q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, context, split, a, b, scale,
-           softcap, alibi, window, m, l, acc, _n_items(q, src, lo, split))
+    kernel(q, qpos, slabs, walk, span, score, state, _n_items(q, walk, span))
 
 
 @njit(cache=True, inline="always")
@@ -313,20 +300,27 @@ def merge_partitions(m, l, acc, sinks, out):
 
 # --- NumPy twins (same signatures; tests compare them with the kernels) ----------------------
 
-def fold_pages_numpy(q, qpos, k_hot, v_hot, k_scr, v_scr, code, src, slot, lo, context, split,
-                     a, b, scale, softcap, alibi, window, m, l, acc):
+def fold_pages_numpy(q, qpos, slabs, walk, span, score, state):
     from cfr_atlas.atlas.storage import StorageDtype, widen
 
-    dtype = {0: StorageDtype.FLOAT32, 1: StorageDtype.FLOAT16, 2: StorageDtype.BFLOAT16}[code]
-    P = v_hot.shape[1]
+    src, slot, expect, bad = walk
+    lo, context, split, a, b = span
+    scale, softcap, alibi, window, fmt = score
+    m, l, acc = state
+    dtype = {np.float32: StorageDtype.FLOAT32, np.uint16: StorageDtype.FLOAT16,
+             np.int16: StorageDtype.BFLOAT16}[type(fmt)]
+    P = slabs[1].shape[1]
     n_pg = src.shape[1]
     for f in range(a, b):
         h, i = divmod(f, n_pg)
         gp = lo + i
         part, n = gp // split, min(P, context - gp * P)
-        src_k, src_v = (k_hot, v_hot) if src[h, i] == SRC_HOT else (k_scr, v_scr)
-        kf = widen(np.ascontiguousarray(src_k[slot[h, i], :, :n].T), dtype)
-        vf = widen(src_v[slot[h, i], :n], dtype)
+        k_page, v_page = slabs[2 * int(src[h, i])][slot[h, i]], slabs[2 * int(src[h, i]) + 1][
+            slot[h, i]]
+        if src[h, i] == SRC_MAP and page_checksum_numpy(k_page, v_page) != int(expect[h, i]):
+            bad[h, i] = 1
+        kf = widen(np.ascontiguousarray(k_page[:, :n].T), dtype)
+        vf = widen(v_page[:n], dtype)
         keypos = gp * P + np.arange(n)
         for t, pos in enumerate(qpos):
             valid = (keypos <= pos) & ((keypos > pos - window) if window > 0 else True)

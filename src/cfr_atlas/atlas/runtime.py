@@ -1,9 +1,12 @@
 """`Atlas`: exact attention over a virtual K/V address space.
 
 For each request the runtime walks the causal pages of one or more K/V heads in a fixed order
-(head, then page). A page resident in the hot cache is folded from the slab; any other page is
-written into a reusable scratch slot by the caller's `KvRegenerator`, checked, folded, and then
-admitted or dropped as the policy decides. Every page goes through the same fold kernel in the
+(head, then page). A page resident in the hot cache is folded from the slab. A page the
+regenerator holds in memory-mapped form (`map_pages`: the spill page file) is folded in place
+from the mapping and verified by the same kernel call: no Python per page, no copy, and it is
+not admitted (it is already in memory, in the OS page cache). Any other page is written into a
+reusable scratch slot by the caller's `KvRegenerator`, checked, folded, and then admitted or
+dropped as the policy decides. Every page goes through the same fold kernel in the
 same order, so the policy and the budget change cost and residency, never the result.
 
 Errors are transactional: if a regenerator raises or returns non-finite rows, the hot cache and
@@ -16,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -25,17 +28,25 @@ from cfr_atlas.atlas.config import AtlasConfig
 from cfr_atlas.atlas.hot_cache import HotCache
 from cfr_atlas.atlas.pages import PageKey, first_page, page_count
 from cfr_atlas.atlas.policy import KeepAll
-from cfr_atlas.atlas.storage import StorageDtype, round_rows, stage_f32, widen
+from cfr_atlas.atlas.storage import StorageDtype, format_of, round_rows, stage_f32, widen
 from cfr_atlas.atlas.telemetry import Counters, Telemetry
-from cfr_atlas.errors import AtlasError, DimensionError, NumericError, PageError, RegeneratorError
+from cfr_atlas.errors import (
+    AtlasError,
+    CorruptPageError,
+    DimensionError,
+    NumericError,
+    PageError,
+    RegeneratorError,
+)
 
 
 class KvRegenerator(Protocol):
     """Anything that can write the exact K and V rows of a page.
 
-    Optionally it may also have `prefetch(pages: list[tuple[PageKey, range]])`: before a fold,
-    the runtime passes the pages it will ask for, in order, so I/O can start early. It is a hint
-    only; every page is still requested through `regenerate_page`.
+    Optionally it may also have `map_pages(layer, heads, lo, lens, need) -> MappedPages`: the
+    pages lo.. (lens[i] tokens each) of `heads` that `need` (H, NP) marks, readable in place;
+    the fold reads them from the mapping and verifies each page's checksum before its result
+    is used (a mismatch raises CorruptPageError).
     """
 
     def regenerate_page(self, key: PageKey, tokens: range, k_out: np.ndarray,
@@ -45,6 +56,18 @@ class KvRegenerator(Protocol):
         k_out, v_out: (len(tokens), head_dim) float32 (rounded by the runtime to the storage
         dtype); both must be fully overwritten (rows left untouched are detected as NaN).
         """
+
+
+class MappedPages(NamedTuple):
+    """Pages a regenerator holds readable in place: K^T (S, D, P) and V (S, P, D) slabs in the
+    storage dtype (e.g. views of a memory-mapped file), and per walk page (H, NP) the slot
+    and the expected checksum (page_sum.py); `missing` (H, NP) bool marks pages it lacks."""
+
+    k: np.ndarray
+    v: np.ndarray
+    slot: np.ndarray
+    expect: np.ndarray
+    missing: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -108,6 +131,8 @@ class Atlas:
         # Regenerators write float32 rows here; they are rounded (and K transposed) into scratch.
         self._stage_k = np.zeros((P, D), dtype=np.float32)
         self._stage_v = np.zeros((P, D), dtype=np.float32)
+        self._no_map = (np.zeros((0, D, P), dtype=dt), np.zeros((0, P, D), dtype=dt))
+        self._fmt = format_of(config.dtype)
         self._tick = 0
         self._total = Counters()
         self._last = Counters()
@@ -340,20 +365,19 @@ class Atlas:
         # the walk reads hot pages from their slots: none is reused before it was folded
         self.cache.protect(slots, hot)
 
-        prefetch = getattr(backend, "prefetch", None)
-        if prefetch is not None and not hot.all():  # a hint: the misses, in fold order
-            prefetch([(PageKey(layer, heads[hi], int(starts[pi])),
-                       range(int(starts[pi]), int(starts[pi] + lens[pi])))
-                      for hi, pi in zip(*np.nonzero(~hot), strict=True)])
-        # The walk, head-major then page: hot pages fold from their slab slot; each miss is
-        # regenerated into the next scratch slot, and the walk so far is folded whenever
-        # scratch is full.
-        src = (~hot).astype(np.int64)
+        src = (~hot).astype(np.int64)  # SRC_HOT or, for now, SRC_SCRATCH
         n_pg = len(pages)
-        fold_args = (q, qpos, self.cache, src, slots, lo, context, scale, cap, alibi, win, m, l,
-                     acc)
+        maps = self._map_misses(backend, layer, hidx, lo, lens, hot, src, slots)
+        # The walk, head-major then page: hot pages fold from their slab slot, mapped pages in
+        # place; each other miss is regenerated into the next scratch slot, and the walk so far
+        # is folded whenever scratch is full.
+        bad = np.zeros(src.shape, dtype=np.uint8)
+        slabs = (self.cache.k, self.cache.v, self._scratch_k, self._scratch_v,
+                 maps.k if maps else self._no_map[0], maps.v if maps else self._no_map[1])
+        walk = (src, slots, maps.expect if maps else np.zeros(src.shape, np.uint32), bad)
+        fold_args = (q, qpos, slabs, walk, lo, context, scale, cap, alibi, win, m, l, acc)
         t_fold, begin, n_scr = 0.0, 0, 0
-        for f in np.flatnonzero(src).tolist():
+        for f in np.flatnonzero(src == fold.SRC_SCRATCH).tolist():
             if n_scr == cfg.scratch_pages:
                 t_fold += self._flush(begin, f, *fold_args)
                 begin, n_scr = f, 0
@@ -364,6 +388,16 @@ class Atlas:
             slots[hi, pi] = n_scr
             n_scr += 1
         t_fold += self._flush(begin, src.size, *fold_args)
+        if bad.any():
+            hi, pi = (int(x[0]) for x in np.nonzero(bad))
+            raise CorruptPageError(f"{PageKey(layer, heads[hi], int(starts[pi]))}: checksum "
+                                   f"mismatch in the mapped page (what the fold read is not "
+                                   f"what was written)")
+        if maps is not None:
+            mapped = src == fold.SRC_MAP
+            c.regenerations += int(mapped.sum())
+            c.bytes_mapped = int((lens * mapped).sum()) * cfg.row_bytes
+            c.bytes_regenerated += c.bytes_mapped
         c.hot_hits += int(hot.sum())
         t0 = time.perf_counter()
         result = out if out is not None else np.empty(q.shape, dtype=np.float32)
@@ -373,15 +407,26 @@ class Atlas:
         c.tokens_consumed += int(lens.sum()) * n_head
         return result
 
-    def _flush(self, a, b, q, qpos, cache, src, slots, lo, context, scale, cap, alibi, win, m, l,
+    def _map_misses(self, backend, layer, hidx, lo, lens, hot, src, slots):
+        """Point the misses the backend holds mapped at its slabs (src SRC_MAP); None if it
+        maps nothing. A page it should hold but lacks is a CorruptPageError."""
+        map_pages = getattr(backend, "map_pages", None)
+        if map_pages is None or hot.all():
+            return None
+        maps = map_pages(layer, hidx, lo, lens, ~hot)
+        use = ~hot & ~maps.missing
+        src[use] = fold.SRC_MAP
+        slots[use] = maps.slot[use]
+        return maps
+
+    def _flush(self, a, b, q, qpos, slabs, walk, lo, context, scale, cap, alibi, win, m, l,
                acc) -> float:
         """Fold pages a..b of the walk (flat index = head index * pages + page - lo)."""
         if a >= b:
             return 0.0
         t0 = time.perf_counter()
-        fold.fold_pages(q, qpos, cache.k, cache.v, self._scratch_k, self._scratch_v,
-                        self.config.dtype.code, src, slots, lo, context, self.config.split_pages,
-                        a, b, np.float32(scale), np.float32(cap), alibi, win, m, l, acc)
+        fold.fold_pages(q, qpos, slabs, walk, (lo, context, self.config.split_pages, a, b),
+                        (np.float32(scale), np.float32(cap), alibi, win, self._fmt), (m, l, acc))
         return time.perf_counter() - t0
 
     def _call_regenerator(self, backend, key: PageKey, n: int):

@@ -5,8 +5,10 @@ stores rows (the full-K/V write, the hot cache, scratch after regeneration) call
 so a page's stored bits never depend on where it came from.
 
 numba has no float16 type on the CPU and NumPy has no bfloat16, so both 16-bit formats are kept
-as their raw uint16 bit patterns; `widen_into` (numba) turns them back into float32 exactly.
-Widening is exact for both formats; rounding is round-to-nearest-even for both.
+as their raw uint16 bit patterns. Kernels read them directly through `to_f32(bits, fmt)`: on a
+CPU with F16C a float16 element is one `fpext half -> float` (vcvtph2ps), a bfloat16 element a
+16-bit shift; `fmt` is a typed marker (`FORMATS[dtype]`), so each format compiles to its own
+straight-line loop. Widening is exact for both formats; rounding is round-to-nearest-even.
 This module does not hold any cache or attention logic.
 """
 
@@ -14,8 +16,11 @@ from __future__ import annotations
 
 import enum
 
+import llvmlite.binding as llvm
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
 
 
 class StorageDtype(enum.Enum):
@@ -65,36 +70,78 @@ def widen(stored: np.ndarray, dtype: StorageDtype) -> np.ndarray:
     """stored: (..., D) in `dtype.array_dtype` -> float32 copy (exact)."""
     out = np.empty(stored.shape, dtype=np.float32)
     widen_into(stored.reshape(-1, stored.shape[-1]) if stored.ndim else stored.reshape(1, 1),
-               dtype.code, out.reshape(-1, out.shape[-1]) if out.ndim else out.reshape(1, 1))
+               format_of(dtype), out.reshape(-1, out.shape[-1]) if out.ndim else out.reshape(1, 1))
     return out
 
 
 _TWO_POW_112 = np.float32(2.0**112)  # rebias: float16 exponent bias 15 -> float32 bias 127
+HAS_F16C = "+f16c" in llvm.get_host_cpu_features().flatten().split(",")
+
+
+@intrinsic
+def _f16_fpext(typingctx, bits):
+    """uint16 float16 bits -> float32 by LLVM's fpext (vcvtph2ps with F16C): exact."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def bf16_to_f32(typingctx, bits):
+    """uint16 bfloat16 bits -> float32: the bits become the top half of a float32 (exact)."""
+    def codegen(context, builder, signature, args):
+        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@njit(cache=True, inline="always")
+def _f16_soft(h):
+    """The same conversion without F16C, from the bits (exact for normals and subnormals:
+    the 15 bits under float32's exponent field, scaled by 2**112, a power of two)."""
+    h = np.uint32(h)
+    sign = (h & np.uint32(0x8000)) << np.uint32(16)
+    em = h & np.uint32(0x7FFF)
+    if em >= 0x7C00:  # inf / nan keep their payload
+        b = sign | np.uint32(0x7F800000) | ((em & np.uint32(0x3FF)) << np.uint32(13))
+        return np.array([b], dtype=np.uint32).view(np.float32)[0]
+    mag = np.array([em << np.uint32(13)], dtype=np.uint32).view(np.float32)[0] * _TWO_POW_112
+    return -mag if sign else mag
+
+
+f16_to_f32 = _f16_fpext if HAS_F16C else _f16_soft
+
+# Typed markers selecting the element format inside kernels (the arrays of both 16-bit formats
+# are uint16; the marker's type says which one): FORMATS[dtype.code].
+FORMATS = (np.float32(0), np.uint16(0), np.int16(0))
+
+
+def to_f32(x, fmt):
+    """One stored element -> float32 (exact), the format given by the type of `fmt`."""
+    raise NotImplementedError("to_f32 is only callable from numba kernels")
+
+
+@overload(to_f32, jit_options={"cache": True}, inline="always")
+def _to_f32_ov(x, fmt):
+    if isinstance(fmt, types.Float):
+        return lambda x, fmt: x
+    if fmt == types.uint16:
+        return lambda x, fmt: f16_to_f32(x)
+    return lambda x, fmt: bf16_to_f32(x)
+
+
+def format_of(dtype: StorageDtype):
+    """The kernel marker of a storage dtype."""
+    return FORMATS[dtype.code]
 
 
 @njit(cache=True)
-def widen_into(stored, code, out):
-    """stored: (n, D) float32 or uint16 bits, code: StorageDtype.code -> out (n, D) float32."""
+def widen_into(stored, fmt, out):
+    """stored: (n, D) float32 or uint16 bits, fmt: `FORMATS[code]` -> out (n, D) float32."""
     n, d = stored.shape
-    bits = out.view(np.uint32)
     for i in range(n):
         for j in range(d):
-            if code == 0:
-                out[i, j] = stored[i, j]
-            elif code == 1:
-                h = np.uint32(stored[i, j])
-                sign = (h & np.uint32(0x8000)) << np.uint32(16)
-                em = h & np.uint32(0x7FFF)
-                if em >= 0x7C00:  # inf / nan keep their payload
-                    bits[i, j] = sign | np.uint32(0x7F800000) | ((em & np.uint32(0x3FF)) << 13)
-                else:
-                    # place the 15 bits under float32's exponent field and scale by 2**112:
-                    # exact for normals and subnormals alike (a power-of-two product).
-                    bits[i, j] = em << np.uint32(13)
-                    out[i, j] = out[i, j] * _TWO_POW_112
-                    bits[i, j] = bits[i, j] | sign
-            else:
-                bits[i, j] = np.uint32(stored[i, j]) << np.uint32(16)
+            out[i, j] = to_f32(stored[i, j], fmt)
 
 
 @njit(cache=True)

@@ -23,6 +23,7 @@ class Counters:
     evictions: int = 0
     tokens_consumed: int = 0
     bytes_regenerated: int = 0
+    bytes_mapped: int = 0  # of those, read in place from a regenerator's mapping (page file)
     regen_seconds: float = 0.0
     fold_seconds: float = 0.0
 

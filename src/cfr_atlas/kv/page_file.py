@@ -1,49 +1,59 @@
-"""Spilled K/V pages of one live sequence: a page file and the `SpillKv` regenerator.
+"""Spilled K/V pages of one live sequence: a memory-mapped page file and the `SpillKv` regenerator.
 
-Rows are written once, when the model computes them, already rounded to the storage dtype.
-File layout (little-endian):
+Rows are written once, when the model computes them, already rounded to the storage dtype, and
+read back in place: the fold reads a cold page straight from the mapping (the OS page cache, or
+the disk through it) and verifies its checksum in the same kernel call (`map_pages`).
 
-    file header  (64 B): magic b"CFRKVPG1", version u32, page_tokens u32, head_dim u32,
-                         itemsize u32, sequence id (16 B), model identity (first 16 B of SHA-256)
-    slot i       at 64 + i * slot_bytes, slot_bytes = 64 + 2 * page_tokens * head_dim * itemsize:
-                 page header (64 B): magic b"PG", version u16, layer u32, kv_head u32,
-                 start u64, n_tokens u32, crc32(K rows) u32, crc32(V rows) u32, sequence id (16 B)
-                 then K rows (page_tokens x head_dim), then V rows
+File layout (little-endian), sized for the sequence's context limit when it is created (a
+sparse file: blocks are allocated page by page, `posix_fallocate`, as rows arrive, so a full
+disk is an error on write, never a fault on a mapped store):
 
-Slots are handed out in first-write order; the slot table and the expected checksums live in
-memory (the file belongs to this process), so a file that is truncated, damaged, swapped for
-another sequence's, or of another version is detected on read: `CorruptPageError`, never rows.
+    header (4096 B): magic b"CFRKVPG2", version u32, page_tokens u32, head_dim u32, itemsize u32,
+                     n_layers u32, n_kv_heads u32, pages per head u32, sequence id (16 B),
+                     model identity (first 16 B of its SHA-256)
+    K slab: slot s = (layer * n_kv_heads + kv_head) * pages + page, K^T (head_dim, page_tokens)
+    V slab: the same slots, V (page_tokens, head_dim)
+
+One layer's pages of one head are one sequential range in each slab, in fold order. Rows not
+yet written are zero. The page tables (rows held, checksum of each page, page_sum.py) live in
+memory: the file belongs to this process, so a file that is truncated, deleted, damaged or
+overwritten with other bytes is detected on read (`CorruptPageError`), never folded.
+Mapped pages are not this sequence's allocation: the kernel keeps them in its page cache and
+reclaims them under memory pressure (they show as file-backed RSS, `RssFile`). Outside the
+guarantee, by its size: a file truncated by another process in the microseconds between the
+size check of a fold and its reads ends this process with SIGBUS (the mapping has no pages to
+read); the file is 0600 in a 0700 folder, so only the same user can do it.
+
 The file is created 0600 in a folder created 0700, and its sequence holds an exclusive lock on
 it (file_lock.py) until `close()` removes it; `clean_stale()` removes only page files whose
 lock it can take, so processes and containers sharing a cache folder never delete each other's
 live page files, whatever their pids.
-`prefetch` (the runtime's optional hint) reads up to `prefetch_pages` pages ahead on one
-background thread; the verification happens on use, exactly as for a synchronous read.
 This module does not decide what is resident; the Atlas does.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
+import mmap
 import os
 import struct
 import uuid
-import zlib
 from pathlib import Path
 
 import numpy as np
+from numba import njit
 
-from cfr_atlas.atlas.pages import PageKey
+from cfr_atlas.atlas.page_sum import page_checksum, row_delta, rows_delta
+from cfr_atlas.atlas.pages import PageKey, page_count
+from cfr_atlas.atlas.runtime import MappedPages
 from cfr_atlas.atlas.storage import StorageDtype, round_rows, widen
 from cfr_atlas.errors import CapacityError, CorruptPageError
 from cfr_atlas.kv.block_dir import FILE_MODE, FOLDER_MODE
 from cfr_atlas.kv.file_lock import hold_lock, remove_if_abandoned
 
-MAGIC, VERSION = b"CFRKVPG1", 1
-_FILE_HDR = struct.Struct("<8sIIII16s16s")   # 64 bytes
-_PAGE_HDR = struct.Struct("<2sHIIQIII16s")   # 46 bytes, padded to 64
-HDR_BYTES = 64
+MAGIC, VERSION = b"CFRKVPG2", 2
+_FILE_HDR = struct.Struct("<8sIIIIIII16s16s")
+HDR_BYTES = 4096  # the slabs start page-aligned
 
 
 def default_cache_dir() -> Path:
@@ -64,12 +74,50 @@ def clean_stale(folder: Path) -> int:
     return removed
 
 
+@njit(cache=True, nogil=True)
+def _write_rows(k_map, v_map, tokens, sums, slot0, pos0, k_st, v_st):
+    """Store rows k_st, v_st (T, n_kv, D) of tokens pos0.. : K^T columns and V rows of each
+    head's pages (slots slot0[h] + page), keeping rows held and checksums current. A write
+    before a page's end first clears the rows after it (a rewind). Returns -1, or the head *
+    2**32 + page of a write that would leave a gap (nothing written for it)."""
+    n_t, n_kv, d = k_st.shape
+    p_tok = v_map.shape[1]
+    for h in range(n_kv):
+        for t in range(n_t):
+            page, j = divmod(pos0 + t, p_tok)
+            s = slot0[h] + page
+            have = tokens[s]
+            if have > j:  # rewind: rows j.. go back to zero
+                sums[s] -= rows_delta(np.ascontiguousarray(k_map[s, :, j:have].T),
+                                      np.ascontiguousarray(v_map[s, j:have]), j, p_tok)
+                k_map[s, :, j:have] = 0
+                v_map[s, j:have] = 0
+                tokens[s] = have = j
+            if have != j:
+                return h * (1 << 32) + page
+            k_map[s, :, j] = k_st[t, h]
+            v_map[s, j] = v_st[t, h]
+            sums[s] += row_delta(k_st[t, h], v_st[t, h], j, p_tok)
+            tokens[s] = j + 1
+    return -1
+
+
 class SpillKv:
-    """Page file of one sequence; also its KvRegenerator (reads a page back into scratch)."""
+    """Page file of one sequence; also its KvRegenerator (pages are read in place)."""
+
+    keeps_mapped_blocks = False  # mapped prefix rows are copied into the page file
 
     def __init__(self, folder: str | os.PathLike | None, page_tokens: int, head_dim: int,
-                 dtype, model_id: str, prefetch_pages: int = 0):
+                 dtype: StorageDtype, model_id: str, *, n_layers: int, n_kv_heads: int,
+                 context_tokens: int):
         self.folder = Path(folder).expanduser() if folder else default_cache_dir()
+        self.page_tokens, self.head_dim, self.dtype = page_tokens, head_dim, dtype
+        self.n_layers, self.n_kv_heads = n_layers, n_kv_heads
+        self.n_pages = page_count(context_tokens, page_tokens)
+        n_slots = n_layers * n_kv_heads * self.n_pages
+        self.page_bytes = page_tokens * head_dim * dtype.itemsize  # one of K or V
+        self.file_bytes = HDR_BYTES + 2 * n_slots * self.page_bytes
+        self.fd = -1
         try:
             self.folder.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
             clean_stale(self.folder)
@@ -77,161 +125,186 @@ class SpillKv:
             self.path = self.folder / f"seq-{os.getpid()}-{self.seq_id.hex()}.kvp"
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE)
             hold_lock(self.fd)  # before the header: clean-up spares young empty files
+            header = _FILE_HDR.pack(MAGIC, VERSION, page_tokens, head_dim, dtype.itemsize,
+                                    n_layers, n_kv_heads, self.n_pages, self.seq_id,
+                                    bytes.fromhex(model_id)[:16].ljust(16, b"\0"))
+            self._pwrite(header.ljust(HDR_BYTES, b"\0"), 0)
+            os.ftruncate(self.fd, self.file_bytes)  # sparse: no blocks until rows arrive
+            self._mm = mmap.mmap(self.fd, self.file_bytes, flags=mmap.MAP_SHARED)
         except OSError as e:
-            raise CapacityError(f"cannot create a page file in {self.folder}: {e.strerror}; "
-                                "pass a writable cache directory") from None
-        self.page_tokens, self.head_dim, self.dtype = page_tokens, head_dim, dtype
-        self.row_bytes = head_dim * dtype.itemsize
-        self.slot_bytes = HDR_BYTES + 2 * page_tokens * self.row_bytes
-        self.model_id = bytes.fromhex(model_id)[:16].ljust(16, b"\0")
-        self.slots: dict[PageKey, list] = {}   # key -> [slot, n_tokens, crc_k, crc_v]
+            if self.fd >= 0:
+                self.path.unlink(missing_ok=True)
+            self._close_fd()
+            raise CapacityError(f"cannot create a page file of {self.file_bytes:,} bytes in "
+                                f"{self.folder}: {e.strerror}; pass a writable cache "
+                                "directory with room for it") from None
+        shape = (n_slots, head_dim, page_tokens)
+        dt = dtype.array_dtype
+        self._k = np.frombuffer(self._mm, dtype=dt, count=n_slots * head_dim * page_tokens,
+                                offset=HDR_BYTES).reshape(shape)
+        self._v = np.frombuffer(self._mm, dtype=dt, count=n_slots * head_dim * page_tokens,
+                                offset=HDR_BYTES + n_slots * self.page_bytes
+                                ).reshape(n_slots, page_tokens, head_dim)
+        # per slot, as (n_layers, n_kv_heads, pages) views: rows held, checksum (page_sum.py)
+        self.tokens = np.zeros(n_slots, dtype=np.int64)
+        self.sums = np.zeros(n_slots, dtype=np.uint32)
+        grid = (n_layers, n_kv_heads, self.n_pages)
+        self._tokens3, self._sums3 = self.tokens.reshape(grid), self.sums.reshape(grid)
+        self._slots3 = np.arange(n_slots, dtype=np.int64).reshape(grid)
+        self._reserved = [0] * n_layers  # pages of every head of a layer with disk blocks
+        self._row_bytes = 2 * head_dim * dtype.itemsize  # one token's K + V row
         self.bytes_written = 0
-        self.prefetch_pages, self.prefetch_hits = prefetch_pages, 0
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
-        self._plan: collections.deque = collections.deque()
-        self._inflight: collections.deque = collections.deque()
-        header = _FILE_HDR.pack(MAGIC, VERSION, page_tokens, head_dim, dtype.itemsize,
-                                self.seq_id, self.model_id)
-        self._pwrite(header.ljust(HDR_BYTES, b"\0"), 0)
+        self.bytes_read = 0  # by `regenerate_page` (copies); the fold's reads are the Atlas's
+        # read-ahead: while layer L folds, the kernel is asked to read layer L+1's pages
+        self._ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-ahead")
+
+    def _slot0(self, layer: int) -> np.ndarray:
+        """First slot of each head's pages in `layer`: (n_kv,) int64."""
+        return self._slots3[layer, :, 0]
 
     # --- the regenerator's side of the session (shared with RecomputeKv, BlockSource) ---------
-    keeps_mapped_blocks = False  # mapped prefix rows are copied into the page file
-
     def record(self, layer: int, pos0: int, x, k: np.ndarray, v: np.ndarray) -> None:
         """Fresh rows k, v (T, n_kv, hd) float32 of tokens pos0..: stored rounded to the
-        storage dtype, per K/V head (x, the layer input, is not needed here)."""
-        self.record_block(layer, pos0, round_rows(k, self.dtype).transpose(1, 0, 2),
-                          round_rows(v, self.dtype).transpose(1, 0, 2))
+        storage dtype (x, the layer input, is not needed here)."""
+        self._write(layer, pos0, round_rows(k, self.dtype), round_rows(v, self.dtype))
 
     def record_block(self, layer: int, pos0: int, k_st: np.ndarray, v_st: np.ndarray) -> None:
         """Rows already in storage dtype, (n_kv, T, hd), e.g. a mapped prefix block's."""
-        for h in range(k_st.shape[0]):
-            self.write(layer, h, pos0, k_st[h], v_st[h])
+        self._write(layer, pos0, np.ascontiguousarray(k_st.transpose(1, 0, 2)),
+                    np.ascontiguousarray(v_st.transpose(1, 0, 2)))
+
+    def _write(self, layer: int, pos0: int, k_st: np.ndarray, v_st: np.ndarray) -> None:
+        """Rows (T, n_kv, hd) in storage dtype of tokens pos0.. into the mapped pages."""
+        n = k_st.shape[0]
+        if pos0 + n > self.n_pages * self.page_tokens:
+            raise CapacityError(f"the page file holds {self.n_pages * self.page_tokens} tokens "
+                                f"(the context limit); token {pos0 + n - 1} is past them")
+        self._check_file()
+        last = (pos0 + n - 1) // self.page_tokens
+        if last >= self._reserved[layer]:
+            self._reserve(layer, last + 1)
+        gap = _write_rows(self._k, self._v, self.tokens, self.sums, self._slots3[layer, :, 0],
+                          pos0, k_st, v_st)
+        if gap >= 0:
+            head, page = divmod(int(gap), 1 << 32)
+            raise CorruptPageError(f"{PageKey(layer, head, page * self.page_tokens)}: rows must "
+                                   f"be appended in order (writing token {pos0})")
+        self.bytes_written += 2 * k_st.size * self.dtype.itemsize
 
     def allocations(self) -> dict[str, int]:
-        return {"page_file_buffers": self.buffer_bytes()}
+        """Nothing of the budget: the pages live in the OS page cache (file-backed)."""
+        return {}
 
-    # --- writing -------------------------------------------------------------------------------
-    def write(self, layer: int, kv_head: int, start: int, k_st: np.ndarray, v_st: np.ndarray):
-        """Append rows (T, D) in storage dtype for tokens start.. of one head, page by page."""
-        P, pos, end = self.page_tokens, start, start + k_st.shape[0]
-        while pos < end:
-            page_start = pos - pos % P
-            stop = min(end, page_start + P)
-            key = PageKey(layer, kv_head, page_start)
-            entry = self.slots.get(key)
-            if entry is None or entry[1] > pos - page_start:   # new page, or a rewind
-                slot = len(self.slots) if entry is None else entry[0]
-                entry = self.slots[key] = [slot, pos - page_start, 0, 0]
-            if entry[1] != pos - page_start:
-                raise CorruptPageError(f"{key}: rows must be appended in order "
-                                       f"(have {entry[1]}, writing from {pos - page_start})")
-            kb = np.ascontiguousarray(k_st[pos - start:stop - start]).tobytes()
-            vb = np.ascontiguousarray(v_st[pos - start:stop - start]).tobytes()
-            base = HDR_BYTES + entry[0] * self.slot_bytes + HDR_BYTES
-            off = (pos - page_start) * self.row_bytes
-            if entry[1] == 0:
-                entry[2] = entry[3] = 0
-            self._pwrite(kb, base + off)
-            self._pwrite(vb, base + P * self.row_bytes + off)
-            entry[1] = stop - page_start
-            entry[2], entry[3] = zlib.crc32(kb, entry[2]), zlib.crc32(vb, entry[3])
-            self._pwrite(self._page_header(key, entry), HDR_BYTES + entry[0] * self.slot_bytes)
-            pos = stop
+    def table_bytes(self) -> int:
+        return self.tokens.nbytes + self.sums.nbytes + self._slots3.nbytes
 
-    def _page_header(self, key: PageKey, entry) -> bytes:
-        return _PAGE_HDR.pack(b"PG", VERSION, key.layer, key.kv_head, key.start_token, entry[1],
-                              entry[2], entry[3], self.seq_id).ljust(HDR_BYTES, b"\0")
+    def _reserve(self, layer: int, pages: int) -> None:
+        """Allocate disk blocks for the first `pages` pages of every head of `layer` (ENOSPC
+        here, as an error, not as a SIGBUS on a store into a hole of the mapping)."""
+        have = self._reserved[layer]
+        for s in self._slots3[layer, :, 0].tolist():
+            for slab in (0, len(self.tokens)):  # K, then V
+                try:
+                    os.posix_fallocate(self.fd, HDR_BYTES + (slab + s + have) * self.page_bytes,
+                                       (pages - have) * self.page_bytes)
+                except OSError as e:
+                    raise CapacityError(f"reserving {(pages - have) * self.page_bytes:,} bytes "
+                                        f"in page file {self.path}: {e.strerror}; is the disk "
+                                        "full?") from None
+        self._reserved[layer] = pages
 
     def _pwrite(self, data: bytes, offset: int) -> None:
-        try:
-            n = os.pwrite(self.fd, data, offset)
-        except OSError as e:
-            raise CapacityError(f"writing page file {self.path}: {e.strerror}") from None
+        n = os.pwrite(self.fd, data, offset)
         if n != len(data):
-            raise CapacityError(f"short write to {self.path} ({n} of {len(data)} bytes): "
-                                "is the disk full?")
-        self.bytes_written += n
+            raise OSError(28, f"short write ({n} of {len(data)} bytes)")
+
+    def _check_file(self) -> None:
+        """The mapping is only safe to touch while the file is whole (see module docstring)."""
+        try:
+            st = os.fstat(self.fd)
+        except OSError as e:
+            raise CorruptPageError(f"page file {self.path}: {e.strerror}") from None
+        if st.st_nlink == 0:
+            raise CorruptPageError(f"page file {self.path} was deleted while the sequence was "
+                                   "running")
+        if st.st_size < self.file_bytes:
+            raise CorruptPageError(f"page file {self.path} is truncated ({st.st_size:,} of "
+                                   f"{self.file_bytes:,} bytes)")
 
     # --- reading (the KvRegenerator protocol) ----------------------------------------------
-    def prefetch(self, pages: list[tuple[PageKey, range]]) -> None:
-        """Start reading `pages` (the runtime's fold order) on a background thread, at most
-        `prefetch_pages` ahead; replaces any earlier plan."""
-        if self.prefetch_pages <= 0:
-            return
-        for _, _, fut in self._inflight:
-            fut.cancel()  # not started: never read; running: finishes, its result dropped
-        self._inflight.clear()
-        self._plan = collections.deque((key, len(tokens)) for key, tokens in pages)
-        self._refill()
-
-    def _refill(self) -> None:
-        while self._plan and len(self._inflight) < self.prefetch_pages:
-            key, n = self._plan.popleft()
-            self._inflight.append((key, n, self._pool.submit(self._read, key, n)))
-
-    def buffer_bytes(self) -> int:
-        """Bytes of page reads held or being filled now (read-ahead not yet used), each at
-        its full size once started: header + K and V rows of its tokens."""
-        return sum(HDR_BYTES + 2 * n * self.row_bytes for _, n, fut in list(self._inflight)
-                   if not fut.cancelled())
+    def map_pages(self, layer: int, heads: np.ndarray, lo: int, lens: np.ndarray,
+                  need: np.ndarray) -> MappedPages:
+        """Pages lo.. of `heads` (lens[i] rows each) where `need` (H, NP) is set, readable in
+        place from the mapping; pages not held with exactly those rows are `missing`."""
+        self._check_file()
+        self._ahead.submit(self._advise, (layer + 1) % self.n_layers)
+        hi = lo + len(lens)
+        if len(heads) == self.n_kv_heads:  # every head, in order: views, no gathers
+            slot, tokens = self._slots3[layer, :, lo:hi], self._tokens3[layer, :, lo:hi]
+            sums = self._sums3[layer, :, lo:hi]
+        else:
+            slot, tokens = self._slots3[layer, heads, lo:hi], self._tokens3[layer, heads, lo:hi]
+            sums = self._sums3[layer, heads, lo:hi]
+        return MappedPages(self._k, self._v, slot, sums, need & (tokens != lens))
 
     def regenerate_page(self, key: PageKey, tokens: range, k_out: np.ndarray,
                         v_out: np.ndarray) -> None:
+        """Rows (n, D) float32 of one page, verified, from the mapping (a copy)."""
         n = len(tokens)
-        data = None
-        while self._inflight:  # pages read ahead; anything not asked for in order is dropped
-            k2, n2, fut = self._inflight.popleft()
-            if (k2, n2) == (key, n):
-                data = fut.result()
-                self.prefetch_hits += 1
-                break
-        self._refill()
-        head, kb, vb = data if data is not None else self._read(key, n)
-        self._verify(key, n, head, kb, vb)
-        k_out[...] = self._widen(kb, n)
-        v_out[...] = self._widen(vb, n)
-
-    def _read(self, key: PageKey, n: int) -> tuple[bytes, bytes, bytes]:
-        entry = self.slots.get(key)
-        if entry is None or entry[1] != n:
-            raise CorruptPageError(f"{key}: page file holds {entry[1] if entry else 0} rows, "
-                                   f"{n} requested")
-        slot_off = HDR_BYTES + entry[0] * self.slot_bytes
-        try:
-            if os.fstat(self.fd).st_nlink == 0:
-                raise CorruptPageError(f"{key}: page file {self.path} was deleted while the "
-                                       "sequence was running")
-            head = os.pread(self.fd, HDR_BYTES, slot_off)
-            kb = os.pread(self.fd, n * self.row_bytes, slot_off + HDR_BYTES)
-            vb = os.pread(self.fd, n * self.row_bytes,
-                          slot_off + HDR_BYTES + self.page_tokens * self.row_bytes)
-        except OSError as e:
-            raise CorruptPageError(f"{key}: reading {self.path}: {e.strerror}") from None
-        return head, kb, vb
-
-    def _verify(self, key: PageKey, n: int, head: bytes, kb: bytes, vb: bytes) -> None:
-        entry = self.slots[key]
-        if len(head) < _PAGE_HDR.size or len(kb) != n * self.row_bytes or len(vb) != len(kb):
-            raise CorruptPageError(f"{key}: page file {self.path} is truncated")
-        magic, ver, layer, kvh, start, count, crc_k, crc_v, seq = _PAGE_HDR.unpack_from(head)
-        if magic != b"PG" or ver != VERSION:
-            raise CorruptPageError(f"{key}: bad page header (magic {magic!r}, version {ver})")
-        if seq != self.seq_id or (layer, kvh, start) != tuple(key):
-            raise CorruptPageError(f"{key}: page belongs to another sequence or page")
-        if (count != n or (crc_k, crc_v) != (entry[2], entry[3])
-                or zlib.crc32(kb) != crc_k or zlib.crc32(vb) != crc_v):
+        self._check_file()
+        s = int(self._slot0(key.layer)[key.kv_head]) + key.start_token // self.page_tokens \
+            if key.kv_head < self.n_kv_heads and key.layer < self.n_layers else -1
+        if s < 0 or key.start_token // self.page_tokens >= self.n_pages \
+                or self.tokens[s] != n:
+            raise CorruptPageError(f"{key}: page file holds "
+                                   f"{self.tokens[s] if s >= 0 else 0} rows, {n} requested")
+        if page_checksum(self._k[s], self._v[s]) != self.sums[s]:
             raise CorruptPageError(f"{key}: checksum mismatch in {self.path}")
+        k_out[...] = widen(np.ascontiguousarray(self._k[s, :, :n].T), self.dtype)
+        v_out[...] = widen(self._v[s, :n], self.dtype)
+        self.bytes_read += 2 * n * self.head_dim * self.dtype.itemsize
 
-    def _widen(self, raw: bytes, n: int) -> np.ndarray:
-        rows = np.frombuffer(raw, dtype=self.dtype.array_dtype).reshape(n, self.head_dim)
-        return rows if self.dtype is StorageDtype.FLOAT32 else widen(rows, self.dtype)
+    def _advise(self, layer: int) -> None:
+        """Ask the kernel to start reading `layer`'s written pages (per head, one range in each
+        slab; POSIX_FADV_WILLNEED returns at once and releases the GIL). Cheap when the pages
+        are cached already; it is what keeps the disk busy when they are not."""
+        pages = self._reserved[layer]
+        if not pages or self.fd < 0:
+            return
+        for s in self._slots3[layer, :, 0].tolist():
+            for slab in (0, len(self.tokens)):
+                try:
+                    os.posix_fadvise(self.fd, HDR_BYTES + (slab + s) * self.page_bytes,
+                                     pages * self.page_bytes, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    return  # a hint only: the fold reads the pages either way
+
+    # --- out of core -------------------------------------------------------------------------
+    def evict_page_cache(self) -> None:
+        """Write the file back and drop its pages from the OS page cache (a benchmark's cold
+        start): the next fold reads them from the disk."""
+        os.fdatasync(self.fd)
+        self._mm.madvise(mmap.MADV_DONTNEED)  # our mappings of the pages (data stays in file)
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
-        self._inflight.clear()
-        self._pool.shutdown(wait=True)
+        """Unmap (once nothing reads the mapping), remove the file, release the lock."""
+        ahead = getattr(self, "_ahead", None)
+        if ahead is not None:
+            ahead.shutdown(wait=True)
+        self._k = self._v = None
+        mm, self._mm = getattr(self, "_mm", None), None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a view is still alive somewhere: unmapped when it goes
         if self.fd >= 0:
             self.path.unlink(missing_ok=True)  # while still holding the lock
+        self._close_fd()
+
+    def _close_fd(self) -> None:
+        if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 

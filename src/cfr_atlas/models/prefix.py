@@ -92,12 +92,6 @@ class BlockSource:
         held = sum(b.k.nbytes + b.v.nbytes + b.token_ids.nbytes for b in self.blocks)
         return {**self.rest.allocations(), "prefix_blocks": held}
 
-    def prefetch(self, pages) -> None:
-        hint = getattr(self.rest, "prefetch", None)
-        if hint is not None:
-            limit = len(self.blocks) * self.block_tokens
-            hint([(key, toks) for key, toks in pages if key.start_token >= limit])
-
     def close(self) -> None:
         close = getattr(self.rest, "close", None)
         if close:

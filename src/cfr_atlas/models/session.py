@@ -21,7 +21,6 @@ from cfr_atlas.atlas import Atlas, AtlasConfig, KeepAll, KeepRecent, PageKey, wi
 from cfr_atlas.atlas.pages import page_count
 from cfr_atlas.errors import ConfigError, RegeneratorError
 from cfr_atlas.kv import SpillKv
-from cfr_atlas.kv.page_file import HDR_BYTES
 from cfr_atlas.models.prefix import BlockBuilder, BlockSource, check_salt, salted_root
 from cfr_atlas.models.recompute import RecomputeKv
 
@@ -85,25 +84,23 @@ def resolve_kv_budget(value, full_bytes: int, field: str = "kv_budget") -> int:
 
 
 def fixed_kv_bytes(config, *, regenerator: str = "spill", page_tokens: int = 256,
-                   storage_dtype: str = DEFAULT_STORAGE_DTYPE, context_limit: int | None = None,
-                   prefetch_pages: int = 0) -> dict[str, int]:
+                   storage_dtype: str = DEFAULT_STORAGE_DTYPE, context_limit: int | None = None
+                   ) -> dict[str, int]:
     """Bytes a budgeted sequence allocates before any page stays hot, by category.
 
     scratch: one page slot (K + V, storage dtype); staging: the float32 rows regenerators
-    write (2 x page_tokens x head_dim x 4); page_file_buffers (spill): the read in progress plus
-    `prefetch_pages` read ahead, each 2 x page_tokens x head_dim x itemsize + a 64-byte header;
-    recompute_inputs (recompute): n_layers x dim x 4 bytes for each of `context_limit` tokens.
+    write (2 x page_tokens x head_dim x 4); recompute_inputs (recompute): n_layers x dim x 4
+    bytes for each of `context_limit` tokens. Spill allocates nothing more: its pages are read
+    in place from the page file's mapping (the OS page cache, file-backed memory).
     """
     probe = AtlasConfig(page_tokens=page_tokens, head_dim=config.head_dim,
                         storage_dtype=storage_dtype)
     limit = config.context_length if context_limit is None else context_limit
     out = {"scratch": probe.scratch_pages * probe.page_bytes,
            "staging": probe.scratch_bytes - probe.scratch_pages * probe.page_bytes}
-    if regenerator == "spill":
-        out["page_file_buffers"] = (prefetch_pages + 1) * (probe.page_bytes + HDR_BYTES)
-    elif regenerator == "recompute":
+    if regenerator == "recompute":
         out["recompute_inputs"] = limit * config.n_layers * config.dim * 4
-    else:
+    elif regenerator != "spill":
         raise ConfigError("regenerator", f"unknown regenerator {regenerator!r} "
                                          "(choose: spill, recompute)")
     return out
@@ -132,7 +129,7 @@ class Session:
 
     def __init__(self, model, *, kv_budget=None, regenerator: str = "spill", policy=None,
                  storage_dtype: str = DEFAULT_STORAGE_DTYPE, page_tokens: int = 256, cache_dir=None,
-                 context_limit: int | None = None, prefetch_pages: int = 0, prefix=None,
+                 context_limit: int | None = None, prefix=None,
                  cache_salt: str = ""):
         c = model.config
         self.model = model
@@ -144,7 +141,7 @@ class Session:
             kv_budget, full_kv_bytes(c, self.context_limit, storage_dtype))
         self.fixed = {} if self.budget is None else fixed_kv_bytes(
             c, regenerator=regenerator, page_tokens=page_tokens, storage_dtype=storage_dtype,
-            context_limit=self.context_limit, prefetch_pages=prefetch_pages)
+            context_limit=self.context_limit)
         self.reserved_bytes = sum(self.fixed.values())
         if self.budget is not None and self.budget < self.reserved_bytes:
             parts = ", ".join(f"{k} {v:,}" for k, v in self.fixed.items())
@@ -166,7 +163,8 @@ class Session:
         elif regenerator == "spill":
             self.backend = SpillKv(cache_dir, page_tokens, c.head_dim,
                                    self.atlas.config.dtype, model.identity,
-                                   prefetch_pages=prefetch_pages)
+                                   n_layers=c.n_layers, n_kv_heads=c.n_kv_heads,
+                                   context_tokens=self.context_limit)
         else:
             self.backend = RecomputeKv(model, capacity_tokens=self.context_limit)
         self.n_tokens = 0
@@ -253,8 +251,7 @@ class Session:
     def allocations(self) -> dict[str, int]:
         """Bytes held now for this sequence's K/V, by category, from the arrays' nbytes (and
         the page-file reads in flight)."""
-        out = {**self.atlas.allocations(), "page_file_buffers": 0, "recompute_inputs": 0,
-               "prefix_blocks": 0}
+        out = {**self.atlas.allocations(), "recompute_inputs": 0, "prefix_blocks": 0}
         out.update(self.backend.allocations())  # the regenerator reports its own arrays
         return out
 
@@ -275,15 +272,14 @@ class Session:
             "allocated_kv_bytes": sum(alloc.values()),
             "peak_allocated_kv_bytes": self._peak_allocated,
             "allocated_kv_by_category": alloc,
-            "kv_table_bytes": t.table_bytes,
+            "kv_table_bytes": t.table_bytes + getattr(self.backend, "table_bytes", int)(),
+            "page_file_bytes_read": t.total.bytes_mapped + getattr(self.backend, "bytes_read", 0),
             "full_kv_bytes": self.n_tokens * c.kv_bytes_per_token(self.atlas.config.dtype.itemsize),
             "pages_regenerated": t.total.regenerations,
             "prompt_cached_tokens": self.cached_tokens,
             "hot_hit_rate": t.total.hit_rate,
             "regen_seconds": t.total.regen_seconds,
             "fold_seconds": t.total.fold_seconds,
-            # bytes read back from the sequence's page file (spill); 0 without one
-            "page_file_bytes_read": getattr(self.backend, "bytes_read", 0),
         }
 
     def close(self) -> None:

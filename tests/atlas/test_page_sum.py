@@ -1,0 +1,77 @@
+"""Page checksums (page_sum.py): the kernel against its NumPy twin, the incremental form the
+page file keeps against the whole-page form, and the corruptions it must catch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cfr_atlas.atlas.page_sum import page_checksum, page_checksum_numpy, rows_delta
+from cfr_atlas.atlas.storage import StorageDtype, round_rows
+
+SHAPES = [(64, 256), (8, 4), (3, 5), (7, 3), (6, 4), (1, 1)]  # (head_dim, page_tokens)
+
+
+def _page(rng, dtype, D, P, n):
+    """A page with n of P tokens written (the rest zero), and its rows (n, D) of K and V."""
+    k_rows, v_rows = (round_rows(rng.uniform(-3, 3, (n, D)).astype(np.float32), dtype)
+                      for _ in range(2))
+    k = np.zeros((D, P), dtype=dtype.array_dtype)
+    v = np.zeros((P, D), dtype=dtype.array_dtype)
+    k[:, :n], v[:n] = k_rows.T, v_rows
+    return k, v, k_rows, v_rows
+
+
+@pytest.mark.parametrize("dtype", list(StorageDtype), ids=lambda d: d.value)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_kernel_twin_and_incremental_agree(dtype, shape):
+    D, P = shape
+    rng = np.random.default_rng(D * 100 + P)
+    n = max(1, P - 1)
+    k, v, k_rows, v_rows = _page(rng, dtype, D, P, n)
+    whole = page_checksum_numpy(k, v)
+    assert int(page_checksum(k, v)) == whole
+    # appended in two runs, as the page file does
+    cut = n // 2
+    grown = (int(rows_delta(k_rows[:cut], v_rows[:cut], 0, P))
+             + int(rows_delta(k_rows[cut:], v_rows[cut:], cut, P))) & 0xFFFFFFFF
+    assert grown == whole
+    # clearing rows cut.. (a rewind) subtracts exactly their part
+    cleared = (whole - int(rows_delta(k_rows[cut:], v_rows[cut:], cut, P))) & 0xFFFFFFFF
+    k2, v2 = k.copy(), v.copy()
+    k2[:, cut:], v2[cut:] = 0, 0
+    assert cleared == page_checksum_numpy(k2, v2) == int(page_checksum(k2, v2))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(list(StorageDtype)), st.sampled_from(SHAPES[:5]), st.data())
+def test_any_single_word_change_is_caught(dtype, shape, data):
+    D, P = shape
+    k, v, _, _ = _page(np.random.default_rng(7), dtype, D, P, P)
+    good = int(page_checksum(k, v))
+    block = data.draw(st.sampled_from(["k", "v"]))
+    raw = (k if block == "k" else v).reshape(-1).view(np.uint8)
+    byte = data.draw(st.integers(0, raw.size - 1))
+    flip = data.draw(st.integers(1, 255))
+    raw[byte] ^= flip
+    assert int(page_checksum(k, v)) != good
+
+
+@pytest.mark.parametrize("dtype", list(StorageDtype), ids=lambda d: d.value)
+def test_zeroed_swapped_and_foreign_pages_are_caught(dtype):
+    rng = np.random.default_rng(3)
+    k, v, _, _ = _page(rng, dtype, 64, 256, 256)
+    good = int(page_checksum(k, v))
+    zeroed = v.copy()
+    zeroed[100:200] = 0
+    assert int(page_checksum(k, zeroed)) != good
+    swapped = v.copy()
+    swapped[[3, 4]] = swapped[[4, 3]]  # two tokens' V rows exchanged
+    assert int(page_checksum(k, swapped)) != good
+    k_dims = k.copy()
+    k_dims[[0, 9]] = k_dims[[9, 0]]  # two dims of every key exchanged
+    assert int(page_checksum(k_dims, v)) != good
+    other_k, other_v, _, _ = _page(rng, dtype, 64, 256, 256)  # another page's bytes
+    assert int(page_checksum(other_k, other_v)) != good
