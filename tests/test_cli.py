@@ -25,7 +25,8 @@ from cfr_atlas.validate import validation_text
 
 PROMPT = "The capital of France is"
 TELEMETRY = ("kv budget", "peak resident kv", "full kv", "pages regen'd", "hot hit rate",
-             "regen seconds", "prompt cached", "tokens/s")  # at least these, in this order
+             "regen seconds", "prompt cached", "prefill tok/s",
+             "decode tok/s")  # at least these, in this order
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +202,10 @@ def test_generate_prints_text_then_telemetry_on_stderr(capsys, tiny_llama, tmp_p
     assert out.strip()
     t = telemetry(err)
     assert t["kv budget"] == "unbounded" and t["pages regen'd"] == "0"
-    assert t["tokens/s"].endswith("(4 tokens, prompt 5)")
+    assert t["prefill tok/s"].split(" s)")[0].split("(")[1].startswith("prompt 5, 5 computed, ")
+    assert t["decode tok/s"].split("(")[1].startswith("4 tokens, ")
+    for label in ("prefill tok/s", "decode tok/s"):  # each phase timed: a rate, not "-"
+        assert float(t[label].split()[0]) > 0, t[label]
 
 
 @pytest.mark.parametrize("regenerator", ["spill", "recompute"])
@@ -280,7 +284,7 @@ def test_generate_applies_the_chat_template_unless_raw(capsys, tiny_llama, tmp_p
                     "--cache-dir", tmp_path, PROMPT)
     model = load_model(tiny_llama)
     n_chat = len(model.chat_ids([{"role": "user", "content": PROMPT}]))
-    assert telemetry(err)["tokens/s"].endswith(f"prompt {n_chat})")
+    assert f"(prompt {n_chat}, " in telemetry(err)["prefill tok/s"]
 
 
 @pytest.mark.slow

@@ -17,8 +17,9 @@ _HINTS = {
     UnsupportedArchitectureError: "; use a GGUF of one of those model families",
 }
 
-_KV_HELP = ("K/V memory budget, e.g. 16MiB (default: unbounded, all K/V in RAM); pages beyond it "
-            "are regenerated exactly, so output does not change")
+_KV_HELP = ("K/V memory budget: a size, e.g. 16MiB, or a share of the full K/V at the context "
+            "limit, e.g. 10%% (default: unbounded, all K/V in RAM); pages beyond it are "
+            "regenerated exactly, so output does not change")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -68,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
                        "position, then a greedy continuation; exit 1 on any difference.")
     v.add_argument("--model", help="path to a .gguf file (default: bundled)")
     v.add_argument("--tokens", type=int, default=8192, help="prompt tokens (default 8192)")
-    v.add_argument("--kv-budget", default="4MiB", help="K/V budget (default 4MiB)")
+    v.add_argument("--kv-budget", default="4MiB",
+                   help="K/V budget, a size or e.g. 10%% of the full K/V (default 4MiB)")
     v.add_argument("--regenerator", default="spill", choices=["spill", "recompute"])
     v.add_argument("--continuation", type=int, default=64, help="greedy tokens (default 64)")
     v.add_argument("--chunk-tokens", type=int, default=256, help="prefill chunk (default 256)")
@@ -86,7 +88,8 @@ def _serve_parser(sub) -> None:
     s.add_argument("--model", help="path to a .gguf file (default: bundled SmolLM2-135M-Instruct)")
     s.add_argument("--name", default=None, help="model name clients send (default: file name)")
     s.add_argument("--kv-budget", default=None, help="per-request K/V budget and its ceiling: "
-                   "requests may ask for less, never more (400). " + _KV_HELP)
+                   "requests may ask for less, never more (400); a percentage is of the full "
+                   "K/V at the model's context length. " + _KV_HELP)
     s.add_argument("--cache-dir", default=None, help="folder for page files (default: user cache)")
     s.add_argument("--prefix-cache", default=None, metavar="DIR",
                    help="persistent prefix cache folder shared by all requests; clients that "
@@ -103,13 +106,13 @@ def _serve_parser(sub) -> None:
 
 def _serve(a) -> None:
     from cfr_atlas.errors import ConfigError
-    from cfr_atlas.models.session import parse_bytes
+    from cfr_atlas.models.session import check_kv_budget
     from cfr_atlas.serve import ServerConfig, serve
 
     for name in ("max_active", "max_queue"):
         if getattr(a, name) < 1:
             raise ConfigError(name, f"must be >= 1, got {getattr(a, name)}")
-    budget = None if a.kv_budget is None else parse_bytes(a.kv_budget)
+    budget = None if a.kv_budget is None else check_kv_budget(a.kv_budget)  # bytes or "10%"
     serve(ServerConfig(host=a.host, port=a.port, model_path=a.model, model_name=a.name,
                        kv_budget=budget, cache_dir=a.cache_dir, max_active=a.max_active,
                        max_queue=a.max_queue, max_tokens=a.max_tokens),
@@ -149,19 +152,27 @@ def _fmt_bytes(n) -> str:
     return str(n)
 
 
+def _rate(tokens: int, seconds: float) -> str:
+    return f"{tokens / seconds:.1f}" if seconds else "-"
+
+
 def telemetry_lines(t: dict) -> list[str]:
-    tps = t.get("generated_tokens", 0) / t["seconds"] if t.get("seconds") else 0.0
+    prompt, cached = t.get("prompt_tokens", 0), t.get("prompt_cached_tokens", 0)
+    prefill_s, decode_s = t.get("prefill_seconds", 0.0), t.get("decode_seconds", 0.0)
     return [
         f"kv budget        {_fmt_bytes(t['budget_bytes'])}",
         f"peak resident kv {_fmt_bytes(t['peak_resident_kv_bytes'])}",
         f"allocated kv     {_fmt_bytes(t['peak_allocated_kv_bytes'])} (peak, as allocated)",
         f"full kv          {_fmt_bytes(t['full_kv_bytes'])}",
         f"pages regen'd    {t['pages_regenerated']:,}",
+        f"page file read   {_fmt_bytes(t.get('page_file_bytes_read', 0))}",
         f"hot hit rate     {t['hot_hit_rate']:.1%}",
         f"regen seconds    {t['regen_seconds']:.3f}",
         f"prompt cached    {t.get('prompt_cached_tokens', 0):,} tokens (prefix cache)",
-        f"tokens/s         {tps:.1f} ({t.get('generated_tokens', 0)} tokens, "
-        f"prompt {t.get('prompt_tokens', 0)})",
+        f"prefill tok/s    {_rate(prompt - cached, prefill_s)} (prompt {prompt}, "
+        f"{prompt - cached} computed, {prefill_s:.3f} s)",
+        f"decode tok/s     {_rate(t.get('generated_tokens', 0), decode_s)} "
+        f"({t.get('generated_tokens', 0)} tokens, {decode_s:.3f} s)",
     ]
 
 

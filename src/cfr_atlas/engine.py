@@ -7,19 +7,18 @@ state under an optional budget) and the generation iterator. Every entry point b
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterator
 
 import numpy as np
 
-from cfr_atlas.generate import DEFAULT_CHUNK, Timer, check_ids, generate_steps, prefill
+from cfr_atlas.generate import DEFAULT_CHUNK, Generation, check_ids, prefill
 from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
 from cfr_atlas.models.llama import LlamaModel
 from cfr_atlas.models.prefix import DEFAULT_DISK_BYTES, PrefixTier, default_prefix_dir
 from cfr_atlas.models.session import Session, parse_bytes
 from cfr_atlas.sampling import SamplingParams
-from cfr_atlas.text import ChatTemplate, StreamDecoder, Tokenizer
+from cfr_atlas.text import ChatTemplate, Tokenizer
 
 
 def load_model(path: str | os.PathLike | None = None, *,
@@ -109,43 +108,29 @@ class Model:
     # --- generation ------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], *, max_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-               repeat_penalty: float = 1.0, seed: int | None = None, stop=(),
-               chunk_tokens: int = DEFAULT_CHUNK, **kv) -> Iterator[str]:
+               repeat_penalty: float = 1.0, repeat_last_n: int = 64, seed: int | None = None,
+               stop=(), chunk_tokens: int = DEFAULT_CHUNK, **kv) -> Iterator[str]:
         """Yield text pieces as they are generated (never a broken UTF-8 character).
+
+        Driven by `generate.Generation`, as the server is. Afterwards `last_telemetry` holds
+        the session's K/V summary plus `prompt_tokens`, `generated_tokens`, `prefill_seconds`
+        and `decode_seconds` (each phase's own steps; `seconds` is their sum) and
+        `logits_sha256`, a fingerprint of every sampled step's logits.
 
         A str prompt is text (control-token text in it stays text); for a chat pass
         `chat_ids(messages)`, for a prompt you templated yourself `tokenize(p, special=True)`.
         """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                repeat_penalty=repeat_penalty, seed=seed)
+                                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                                seed=seed)
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        stops = [stop] if isinstance(stop, str) else [s for s in stop if s]
-        decoder, held, timer, n = StreamDecoder(self.tokenizer), "", Timer(), 0
-        digest = hashlib.sha256()  # of every step's logits: a cheap bitwise fingerprint
         with _closing(self.session(**self._sized(len(ids) + max_tokens, kv))) as s:
-            steps = generate_steps(self.net, s, ids, params, max_tokens=max_tokens,
-                                   eos_ids=self.tokenizer.eos_ids, chunk_tokens=chunk_tokens)
-            for step in steps:
-                n += 1
-                digest.update(step.logits.tobytes())
-                if step.finish_reason == "stop":
-                    break
-                held += decoder.push(step.token)
-                cut = min((held.find(x) for x in stops if x in held), default=-1)
-                if cut >= 0:
-                    held = held[:cut]
-                    break
-                keep = max((len(x) - 1 for x in stops), default=0)
-                if len(held) > keep:
-                    yield held[:len(held) - keep]
-                    held = held[len(held) - keep:]
-            else:
-                held += decoder.flush()
-            if held:
-                yield held
-            self.last_telemetry = {**s.telemetry_summary(), "generated_tokens": n,
-                                   "prompt_tokens": len(ids), "seconds": timer.mark("all"),
-                                   "logits_sha256": digest.hexdigest()}
+            run = Generation(self.net, s, ids, params, max_tokens=max_tokens,
+                             tokenizer=self.tokenizer, stops=stop, chunk_tokens=chunk_tokens)
+            for event in run.events():
+                if event.text:
+                    yield event.text
+            self.last_telemetry = run.telemetry()
 
     def generate(self, prompt: str | list[int], **kw) -> str:
         """The whole completion as one string (same options as `stream`)."""

@@ -1,12 +1,16 @@
-"""Prefill, decode step and the generation iterator shared by the API, the CLI and the server.
+"""Prefill and the one generation driver shared by the API, the CLI and the server.
 
 `prefill` runs a prompt through the model in chunks (the chunk size never changes a result:
-every kernel is batch-invariant); `generate_steps` then yields one `Step` per new token.
-Tokenization and sampling stay outside: steps carry ids and logits, callers turn them into text.
+every kernel is batch-invariant); it serves `Model.logits`. `Generation` is a sequence's whole
+generation as resumable steps — one prefill chunk or one sampled token per `step()` — with the
+stop-text rule (`StopText`) applied in it, so `Model.stream` and the server's scheduler job
+produce the same text and the same telemetry from the same code. Sampling is `Sampler`'s; the
+Session (K/V state) is the caller's to open and close.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,17 +19,9 @@ import numpy as np
 
 from cfr_atlas.errors import CapacityError, ConfigError
 from cfr_atlas.sampling import Sampler, SamplingParams
+from cfr_atlas.text import StopText, Tokenizer
 
 DEFAULT_CHUNK = 256
-
-
-@dataclass
-class Step:
-    """One generated token: its id, the logits it was drawn from, and the stop reason if any."""
-
-    token: int
-    logits: np.ndarray
-    finish_reason: str | None = None  # "stop" (EOS), "length" (max tokens) or None
 
 
 def check_ids(ids, vocab_size: int) -> np.ndarray:
@@ -39,15 +35,25 @@ def check_ids(ids, vocab_size: int) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+def _check_count(field: str, value, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        kind = "positive" if lo > 0 else "non-negative"
+        raise ConfigError(field, f"must be a {kind} integer, got {value!r}")
+    return value
+
+
+def _check_fits(session, n_new: int) -> None:
+    limit = session.context_limit
+    if session.n_tokens + n_new > limit:
+        raise CapacityError(f"{session.n_tokens + n_new} tokens exceed the context limit "
+                            f"{limit} (the model's context length unless set)")
+
+
 def prefill(model, session, ids: np.ndarray, *, chunk_tokens: int = DEFAULT_CHUNK,
             all_logits: bool = False, progress=None) -> np.ndarray:
     """Run ids through the model in chunks; logits (T, vocab) if all_logits else (1, vocab)."""
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ConfigError("chunk_tokens", f"must be a positive integer, got {chunk_tokens!r}")
-    limit = session.context_limit
-    if session.n_tokens + len(ids) > limit:
-        raise CapacityError(f"{session.n_tokens + len(ids)} tokens exceed the context limit "
-                            f"{limit} (the model's context length unless set)")
+    _check_count("chunk_tokens", chunk_tokens, 1)
+    _check_fits(session, len(ids))
     out = []
     start = 0 if all_logits else session.map_prefix(ids)  # reused blocks are not recomputed
     for a in range(start, len(ids), chunk_tokens):
@@ -62,38 +68,115 @@ def prefill(model, session, ids: np.ndarray, *, chunk_tokens: int = DEFAULT_CHUN
     return np.concatenate(out) if all_logits else out[-1]
 
 
-def generate_steps(model, session, prompt_ids, params: SamplingParams, *, max_tokens: int,
-                   eos_ids=(), chunk_tokens: int = DEFAULT_CHUNK) -> Iterator[Step]:
-    """Prefill the prompt, then sample and feed back one token at a time."""
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise ConfigError("max_tokens", f"must be a non-negative integer, got {max_tokens!r}")
-    ids = check_ids(prompt_ids, model.config.vocab_size)
-    sampler = Sampler(params)
-    history = ids.tolist()
-    logits = prefill(model, session, ids, chunk_tokens=chunk_tokens)[0]
-    for i in range(max_tokens):
-        token = sampler.sample(logits, history)
-        history.append(token)
-        if token in eos_ids:
-            yield Step(token, logits, "stop")
-            return
-        if i + 1 == max_tokens or session.n_tokens + 1 > session.context_limit:
-            yield Step(token, logits, "length")
-            return
-        yield Step(token, logits)
-        logits = model.forward_chunk(session, np.array([token], dtype=np.int64),
-                                     all_logits=False)[0]
+@dataclass(frozen=True)
+class Event:
+    """What one `Generation.step()` did: a prefill chunk (token None) or one sampled token."""
+
+    text: str = ""  # text now safe to show ("" while it may still start a stop string)
+    token: int | None = None  # the token sampled in this step; None for a prefill chunk
+    logits: np.ndarray | None = None  # (vocab,) float32 the token was drawn from
+    finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", or None
 
 
-class Timer:
-    """Wall-clock seconds of named phases (prompt, generation) for telemetry lines."""
+class Generation:
+    """One sequence's generation, resumable: each `step()` is one prefill chunk or one token.
 
-    def __init__(self):
-        self.t0 = time.perf_counter()
-        self.marks: dict[str, float] = {}
+    Prefill: cached prefix blocks are mapped, then the rest of the prompt goes through the
+    model `chunk_tokens` per step (split exactly as `prefill` splits it). Decode: each step
+    feeds the previous token back (if any), samples the next from the whole history (prompt
+    included, for the repetition penalty) and cuts text at stop strings (`StopText`). It ends
+    at EOS or a stop string ("stop"), or after `max_tokens` tokens or when the context is full
+    ("length"). Each step's wall time goes to its phase, so time between steps (another
+    sequence's turn, the consumer's work) is not counted; the first sample counts as decode.
+    """
 
-    def mark(self, name: str) -> float:
-        now = time.perf_counter()
-        self.marks[name] = now - self.t0
-        self.t0 = now
-        return self.marks[name]
+    def __init__(self, model, session, prompt_ids, params: SamplingParams, *, max_tokens: int,
+                 tokenizer: Tokenizer, stops=(), chunk_tokens: int = DEFAULT_CHUNK):
+        self.model, self.session = model, session
+        self.max_tokens = _check_count("max_tokens", max_tokens, 0)
+        self.chunk_tokens = _check_count("chunk_tokens", chunk_tokens, 1)
+        self.ids = check_ids(prompt_ids, model.config.vocab_size)
+        self._eos = frozenset(tokenizer.eos_ids)
+        self._text = StopText(tokenizer, (stops,) if isinstance(stops, str) else tuple(stops))
+        self._sampler = Sampler(params)
+        self._history = self.ids.tolist()
+        self._fed: int | None = None  # prompt tokens in the session; None before the first step
+        self._logits: np.ndarray | None = None  # what the next token is sampled from
+        self._pending: int | None = None  # sampled, not yet fed back
+        self._digest = hashlib.sha256()  # of every sample's logits: a bitwise fingerprint
+        self.generated = 0  # tokens sampled, an end-of-generation token included
+        self.finish_reason: str | None = None
+        self.prefill_seconds = self.decode_seconds = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prompt_fed(self) -> int:
+        """Prompt tokens in the session so far (mapped from the prefix cache or computed)."""
+        return self._fed or 0
+
+    def step(self) -> Event:
+        """Run one prefill chunk or sample one token; see the class docstring."""
+        if self.done:
+            raise RuntimeError(f"generation already finished ({self.finish_reason})")
+        t0 = time.perf_counter()
+        if self._logits is None:
+            event = self._prefill_chunk()
+            self.prefill_seconds += time.perf_counter() - t0
+        else:
+            event = self._decode_token()
+            self.decode_seconds += time.perf_counter() - t0
+        return event
+
+    def events(self) -> Iterator[Event]:
+        """Every step's event until the generation has finished."""
+        while not self.done:
+            yield self.step()
+
+    def _prefill_chunk(self) -> Event:
+        if self._fed is None:
+            _check_fits(self.session, len(self.ids))
+            self._fed = self.session.map_prefix(self.ids)  # reused blocks are not recomputed
+        chunk = self.ids[self._fed:self._fed + self.chunk_tokens]
+        self._fed += len(chunk)
+        last = self._fed == len(self.ids)
+        logits = self.model.forward_chunk(self.session, chunk, all_logits=False, output=last)
+        if last:
+            self._logits = logits[0]
+            if self.max_tokens == 0:
+                return self._finish("length", self._text.flush())
+        return Event()
+
+    def _decode_token(self) -> Event:
+        if self._pending is not None:
+            fed = np.array([self._pending], dtype=np.int64)
+            self._logits = self.model.forward_chunk(self.session, fed, all_logits=False)[0]
+        logits = self._logits
+        token = self._sampler.sample(logits, self._history)
+        self._history.append(token)
+        self._digest.update(logits.tobytes())
+        self.generated += 1
+        self._pending = token
+        if token in self._eos:
+            return self._finish("stop", self._text.end(), token, logits)
+        text, hit_stop = self._text.push(token)
+        if hit_stop:
+            return self._finish("stop", text, token, logits)
+        full = self.session.n_tokens + 1 > self.session.context_limit  # no room to feed it back
+        if self.generated == self.max_tokens or full:
+            return self._finish("length", text + self._text.flush(), token, logits)
+        return Event(text, token, logits)
+
+    def _finish(self, reason: str, text: str, token=None, logits=None) -> Event:
+        self.finish_reason = reason
+        return Event(text, token, logits, reason)
+
+    def telemetry(self) -> dict:
+        """The session's K/V summary plus this generation's token counts and phase seconds."""
+        return {**self.session.telemetry_summary(),
+                "prompt_tokens": len(self.ids), "generated_tokens": self.generated,
+                "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
+                "seconds": self.prefill_seconds + self.decode_seconds,
+                "logits_sha256": self._digest.hexdigest()}

@@ -65,8 +65,6 @@ class ValidationReport:
 def run_validation(model, *, tokens: int = 8192, kv_budget="4MiB", regenerator: str = "spill",
                    continuation: int = 64, chunk_tokens: int = 256, page_tokens: int = 256,
                    cache_dir=None, progress: bool = True) -> ValidationReport:
-    from cfr_atlas.models.session import parse_bytes
-
     ids = np.array(model.tokenize(validation_text()), dtype=np.int64)
     if tokens < 1 or tokens > len(ids):
         raise CapacityError(f"--tokens must be in [1, {len(ids)}] (the shipped text's length), "
@@ -76,7 +74,7 @@ def run_validation(model, *, tokens: int = 8192, kv_budget="4MiB", regenerator: 
     full = model.session(page_tokens=page_tokens, context_limit=limit)
     budg = model.session(page_tokens=page_tokens, context_limit=limit, kv_budget=kv_budget,
                          regenerator=regenerator, cache_dir=cache_dir)
-    report = ValidationReport(tokens, continuation, parse_bytes(kv_budget))
+    report = ValidationReport(tokens, continuation, budg.budget)  # bytes, a percentage resolved
     bar = _bar(progress, tokens + continuation)
     try:
         for a in range(0, tokens, chunk_tokens):

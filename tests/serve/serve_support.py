@@ -1,8 +1,8 @@
-"""Helpers for the serve tests: a uvicorn server in a thread, the engine's own greedy loop.
+"""Helpers for the serve tests: a uvicorn server in a thread, the library's generation.
 
 `start_server` binds a free loopback port itself (no race), runs uvicorn on a daemon thread
 and waits until it accepts connections. `engine_text` is the reference the server's output is
-compared with when `Model.generate` lacks the knob (repeat_last_n).
+compared with: `Model.generate` with the request's sampling and a one-chunk prefill.
 """
 
 from __future__ import annotations
@@ -10,13 +10,12 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import uvicorn
 
 from cfr_atlas.errors import ConfigError
-from cfr_atlas.generate import generate_steps
 from cfr_atlas.sampling import SamplingParams
 from cfr_atlas.serve import ServerConfig, create_app
 
@@ -70,14 +69,10 @@ def start_server(model, cache_dir: Path, **config) -> RunningServer:
 
 
 def engine_text(model, prompt: str, params: SamplingParams, n: int) -> str:
-    """The engine's own generation loop: one whole prefill, no scheduler, no server."""
-    session = model.session()
-    try:
-        steps = generate_steps(model.net, session, model.tokenize(prompt), params, max_tokens=n,
-                               eos_ids=model.tokenizer.eos_ids)
-        return model.detokenize([s.token for s in steps if s.finish_reason != "stop"])
-    finally:
-        session.close()
+    """The library's generation with the whole prompt as one prefill chunk: no scheduler, no
+    server, and a chunking the server never uses (results are batch-invariant)."""
+    n_prompt = len(model.tokenize(prompt))
+    return model.generate(prompt, max_tokens=n, chunk_tokens=n_prompt, **asdict(params))
 
 
 def small_budget(model) -> int:

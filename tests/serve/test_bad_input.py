@@ -44,6 +44,10 @@ CASES = {
     "stop not strings": (ollama_gen(options={"stop": [1, 2]}), 400, "stop"),
     "bad kv_budget": (ollama_gen(options={"kv_budget": "lots"}), 400, "kv_budget"),
     "kv_budget below scratch": (ollama_gen(options={"kv_budget": "1KiB"}), 400, "scratch"),
+    "kv_budget 0%": (ollama_gen(options={"kv_budget": "0%"}), 400, "options.kv_budget"),
+    "kv_budget over 100%": (oai_chat(kv_budget="150%"), 400, "e.g. 10%"),
+    "kv_budget percent below scratch": (ollama_gen(options={"kv_budget": "0.001%"}), 400,
+                                        "scratch"),
     "kv_budget below scratch, streaming": (
         ollama_gen(stream=True, options={"kv_budget": 1024}), 400, "scratch"),
     "prompt too long": (ollama_gen(prompt=LONG, raw=True), 400, "4096"),

@@ -44,3 +44,23 @@ def test_serve_passes_the_prefix_cache_options_to_load_model(monkeypatch, tmp_pa
     assert cli.main(["serve", "--prefix-cache", str(tmp_path), "--prefix-cache-bytes",
                      "2GiB"]) == 0
     assert seen == {"prefix_cache": str(tmp_path), "prefix_cache_bytes": "2GiB"}
+
+
+def test_serve_accepts_a_percentage_budget(monkeypatch, tiny_llama, tmp_path):
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    assert cli.main(["serve", "--model", str(tiny_llama), "--kv-budget", "10%",
+                     "--cache-dir", str(tmp_path)]) == 0
+    service = seen["app"].state.service
+    c = service.model.config
+    probe = service.model.session()
+    itemsize = probe.atlas.config.dtype.itemsize
+    probe.close()
+    full = c.context_length * 2 * c.n_layers * c.n_kv_heads * c.head_dim * itemsize
+    assert service.config.kv_budget == "10%" and service.ceiling == full // 10
+
+
+def test_serve_refuses_a_bad_percentage(capsys):
+    assert cli.main(["serve", "--kv-budget", "0%"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cfr-atlas: error: kv_budget: ") and "e.g. 10%" in err

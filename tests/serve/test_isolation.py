@@ -18,11 +18,13 @@ import pytest
 from serve_support import MODEL, small_budget, start_server
 
 from cfr_atlas.engine import load_model
+from cfr_atlas.errors import ConfigError
 from cfr_atlas.generate import DEFAULT_CHUNK
 from cfr_atlas.sampling import SamplingParams
 from cfr_atlas.serve.jobs import EmbeddingJob, GenerationJob, GenerationSpec
 from cfr_atlas.serve.params import MAX_SALT_CHARS
 from cfr_atlas.serve.scheduler import Scheduler
+from cfr_atlas.serve.service import ServerConfig, Service
 
 LONG = " ".join(["the city of Paris is the capital of France"] * 70)  # > 600 tokens
 
@@ -89,6 +91,55 @@ def test_embeddings_obey_the_ceiling(capped, reference, ceiling):
     r = httpx.post(capped.url + "/api/embed", timeout=60, json={"model": MODEL, "input": LONG})
     assert r.status_code == 200
     assert np.array_equal(np.float32(r.json()["embeddings"][0]), reference.embedding(LONG))
+
+
+def _itemsize(model) -> int:
+    """Bytes per K/V value in a server session's (default) storage dtype."""
+    s = model.session()
+    try:
+        return s.atlas.config.dtype.itemsize
+    finally:
+        s.close()
+
+
+def _share_within(reference, lo: int, hi: int, n_prompt: int) -> tuple[int, int, int]:
+    """(num_ctx, percent, bytes): an integer percent of the full K/V at num_ctx that lands in
+    [lo, hi] bytes, with room for the prompt."""
+    c = reference.config
+    per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * _itemsize(reference)
+    for n in range(n_prompt + 8, c.context_length + 1):
+        for p in (50, 25, 75, 10, 90, 100):
+            if lo <= n * per_token * p // 100 <= hi:
+                return n, p, n * per_token * p // 100
+    raise AssertionError("no share fits the ceiling")
+
+
+def test_a_percentage_is_held_to_the_ceiling_in_bytes(capped, reference, ceiling):
+    n_ctx, percent, nbytes = _share_within(reference, small_budget(reference), ceiling,
+                                           len(reference.tokenize(LONG)))
+    r = _gen(capped.url, kv_budget=f"{percent}%", num_ctx=n_ctx)
+    assert r.status_code == 200, r.text
+    assert r.json()["cfr_atlas"]["budget_bytes"] == nbytes
+    assert r.json()["response"] == reference.generate(LONG, max_tokens=2)
+    r = _gen(capped.url, kv_budget="100%")  # the whole context's K/V: far above the ceiling
+    assert r.status_code == 400 and f"ceiling of {ceiling}" in r.json()["error"]
+    assert "100% of" in r.json()["error"]
+    r = httpx.post(capped.url + "/api/embed", timeout=60, json={
+        "model": MODEL, "input": [LONG + " " + LONG, "hi"], "options": {"kv_budget": "100%"}})
+    assert r.status_code == 400 and "ceiling" in r.json()["error"]
+
+
+def test_an_operator_percentage_is_a_byte_ceiling(tiny_llama, reference):
+    c = reference.config
+    full = c.context_length * 2 * c.n_layers * c.n_kv_heads * c.head_dim * _itemsize(reference)
+    service = Service(reference, ServerConfig(kv_budget="50%"))
+    assert service.ceiling == full // 2
+    assert service.session_kw(None, None)["kv_budget"] == full // 2
+    assert service.session_kw("50%", None)["kv_budget"] == "50%"  # its Session resolves it
+    with pytest.raises(ConfigError, match="ceiling"):
+        service.session_kw("51%", None)
+    with pytest.raises(ConfigError, match="ceiling"):
+        service.session_kw(full // 2 + 1, None)
 
 
 def test_no_ceiling_means_unbounded_unless_asked(server, reference):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import numpy as np
 import ollama
@@ -140,3 +142,28 @@ def test_unknown_model_is_404(client):
     with pytest.raises(ollama.ResponseError) as e:
         client.generate(model="llama3:70b", prompt="hi")
     assert e.value.status_code == 404 and "llama3:70b" in e.value.error
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_durations_and_counts_come_from_the_driver(server, reference, stream):
+    """prompt_eval_* is the prefill, eval_* the decode, each measured by the generation driver
+    (the same numbers as under `cfr_atlas`), and eval_count is the tokens sampled."""
+    r = httpx.post(server.url + "/api/generate", timeout=60, json={
+        "model": MODEL, "prompt": LONG, "raw": True, "stream": stream,
+        "options": {"num_predict": N}})
+    assert r.status_code == 200, r.text
+    final = [json.loads(line) for line in r.text.splitlines()][-1]
+    text = reference.generate(LONG, max_tokens=N)
+    t = reference.last_telemetry
+    assert final["done"] and final["eval_count"] == t["generated_tokens"] > 0
+    assert final["prompt_eval_count"] == t["prompt_tokens"] > 600  # several prefill chunks
+    if not stream:
+        assert final["response"] == text
+    assert final["prompt_eval_duration"] > 0 and final["eval_duration"] > 0
+    assert final["total_duration"] >= final["prompt_eval_duration"] + final["eval_duration"]
+    served = final["cfr_atlas"]
+    assert final["prompt_eval_duration"] == int(served["prefill_seconds"] * 1e9)
+    assert final["eval_duration"] == int(served["decode_seconds"] * 1e9)
+    assert served["generated_tokens"] == final["eval_count"]
+    assert served["logits_sha256"] == t["logits_sha256"]  # the same steps, bitwise
+    assert "page_file_bytes_read" in served

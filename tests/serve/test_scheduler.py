@@ -1,5 +1,5 @@
-"""The scheduler and the text cutter without HTTP: round-robin order, admission limits,
-cancellation, failure isolation; StopText against Model.stream; prefill chunk boundaries."""
+"""The scheduler without HTTP: round-robin order, admission limits, cancellation, failure
+isolation; a GenerationJob stepping the shared generation driver one chunk or token a turn."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import time
 import pytest
 
 from cfr_atlas.errors import ConfigError, QueueFullError
-from cfr_atlas.generate import DEFAULT_CHUNK, generate_steps
+from cfr_atlas.generate import DEFAULT_CHUNK
 from cfr_atlas.sampling import SamplingParams
-from cfr_atlas.serve.jobs import Job, prefeed_end
+from cfr_atlas.serve.jobs import GenerationJob, GenerationSpec, Job
 from cfr_atlas.serve.scheduler import Scheduler
-from cfr_atlas.serve.stops import StopText
+from cfr_atlas.validate import validation_text
+
+LONG_PROMPT = validation_text()[:1500]  # several prefill chunks of the tiny model
 
 
 class FakeChannel:
@@ -104,35 +106,25 @@ def test_cancel_active_job_releases_it():
     assert forever.released == 1 and st.cancelled == 1
 
 
-@pytest.mark.parametrize("stops", [(), ("e",), ("th", "xyz"), ("or",), ("\n",)])
-def test_stop_text_matches_model_stream(reference, stops):
-    prompt, n = "hello world", 24
-    ids = []
-    session = reference.session()
-    for step in generate_steps(reference.net, session, reference.tokenize(prompt),
-                               SamplingParams(), max_tokens=n,
-                               eos_ids=reference.tokenizer.eos_ids):
-        ids.append(step)
-    session.close()
-    cutter, out = StopText(reference.tokenizer, stops), []
-    for step in ids:
-        if step.finish_reason == "stop":
-            out.append(cutter.end())
-            break
-        piece, hit = cutter.push(step.token)
-        out.append(piece)
-        if hit:
-            break
-    else:
-        out.append(cutter.flush())
-    assert "".join(out) == reference.generate(prompt, max_tokens=n, stop=list(stops))
-
-
-def test_prefeed_end_respects_chunks_and_penalty_window():
-    C = DEFAULT_CHUNK
-    assert prefeed_end(C, SamplingParams()) == 0  # the last token is always generate_steps'
-    assert prefeed_end(C + 1, SamplingParams()) == C
-    assert prefeed_end(3 * C + 5, SamplingParams()) == 3 * C
-    penalised = SamplingParams(repeat_penalty=1.1, repeat_last_n=64)
-    assert prefeed_end(C + 63, penalised) == 0 and prefeed_end(C + 64, penalised) == C
-    assert prefeed_end(10 * C, SamplingParams(repeat_penalty=1.1, repeat_last_n=-1)) == 0
+def test_generation_job_steps_the_shared_driver(reference):
+    """A GenerationJob's events are the driver's: one prefill chunk per turn, then one token
+    per turn; the joined text is `Model.generate`'s and the outcome counts its tokens."""
+    ids = reference.tokenize(LONG_PROMPT)
+    n_chunks = -(-len(ids) // DEFAULT_CHUNK)
+    spec = GenerationSpec(tuple(ids), SamplingParams(repeat_penalty=1.1), 6, ("xyz",))
+    job, turns, done = GenerationJob(reference, spec, FakeChannel()), 0, False
+    while not done:
+        done, turns = job.step(), turns + 1
+        assert job.token_counts() == (min(turns * DEFAULT_CHUNK, len(ids)),
+                                      max(0, turns - n_chunks))
+    job.release()
+    kinds = [kind for kind, _ in job.channel.events]
+    assert kinds[-1] == "done" and kinds.count("done") == 1
+    outcome = job.channel.events[-1][1]
+    assert turns == n_chunks + outcome.eval_count
+    text = "".join(v for kind, v in job.channel.events if kind == "text")
+    assert text == reference.generate(ids, max_tokens=6, repeat_penalty=1.1, stop=["xyz"])
+    assert outcome.eval_count == reference.last_telemetry["generated_tokens"]
+    assert outcome.telemetry["logits_sha256"] == reference.last_telemetry["logits_sha256"]
+    assert outcome.prompt_seconds == outcome.telemetry["prefill_seconds"] > 0
+    assert outcome.eval_seconds == outcome.telemetry["decode_seconds"] > 0

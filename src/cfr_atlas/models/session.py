@@ -7,7 +7,8 @@ kept inputs for `context_limit` tokens; then prefix blocks held; the hot cache's
 gets the rest and is allocated once). The rest of the K/V comes back from the regenerator
 ("spill": the sequence's page file, written as rows are computed). Both run the same fold in
 the same page order, so logits are bitwise equal. `allocations()` measures what is held, by
-category, from the arrays themselves.
+category, from the arrays themselves. A budget is bytes ("16MiB") or a share of the full K/V
+at `context_limit` ("10%"), made bytes in one place, `resolve_kv_budget`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from cfr_atlas.models.prefix import BlockBuilder, BlockSource, check_salt, salte
 from cfr_atlas.models.recompute import RecomputeKv
 
 UNBOUNDED = 1 << 40
+DEFAULT_STORAGE_DTYPE = "float32"  # K/V storage dtype of a Session unless told otherwise
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10,
           "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "K": 1 << 10, "M": 1 << 20,
           "G": 1 << 30, "T": 1 << 40}
@@ -47,8 +49,42 @@ def parse_bytes(value, field: str = "kv_budget") -> int:
     return n
 
 
+def full_kv_bytes(config, context_limit: int, storage_dtype: str = DEFAULT_STORAGE_DTYPE) -> int:
+    """K + V bytes of `context_limit` tokens in the storage dtype, every layer and head: what a
+    percentage budget ("10%") is a share of."""
+    probe = AtlasConfig(page_tokens=1, head_dim=config.head_dim, storage_dtype=storage_dtype)
+    return context_limit * config.kv_bytes_per_token(probe.dtype.itemsize)
+
+
+def parse_share(value, field: str = "kv_budget") -> float | None:
+    """'10%' -> 10.0 (percent); None if `value` is not a percentage; outside (0%, 100%] or
+    unreadable: ConfigError(field)."""
+    if not isinstance(value, str) or not value.strip().endswith("%"):
+        return None
+    m = re.fullmatch(r"\s*([0-9]{1,3}(?:\.[0-9]{1,6})?)\s*%\s*", value)
+    percent = float(m.group(1)) if m else -1.0
+    if not 0.0 < percent <= 100.0:
+        raise ConfigError(field, f"cannot read {value!r} as a share of the full K/V at the "
+                                 "context limit; use a percentage in (0%, 100%], e.g. 10%")
+    return percent
+
+
+def check_kv_budget(value, field: str = "kv_budget") -> int | str:
+    """A budget checked before the model is known: bytes, or a valid percentage kept as text
+    (resolved later, against a context limit, by `resolve_kv_budget`)."""
+    return value.strip() if parse_share(value, field) is not None else parse_bytes(value, field)
+
+
+def resolve_kv_budget(value, full_bytes: int, field: str = "kv_budget") -> int:
+    """A K/V budget in bytes: a size (see `parse_bytes`) or a percentage of `full_bytes`, the
+    full K/V at the context limit (`full_kv_bytes`; "10%" -> full_bytes // 10, rounded down).
+    The one place a percentage becomes bytes."""
+    percent = parse_share(value, field)
+    return parse_bytes(value, field) if percent is None else int(full_bytes * percent) // 100
+
+
 def fixed_kv_bytes(config, *, regenerator: str = "spill", page_tokens: int = 256,
-                   storage_dtype: str = "float32", context_limit: int | None = None
+                   storage_dtype: str = DEFAULT_STORAGE_DTYPE, context_limit: int | None = None
                    ) -> dict[str, int]:
     """Bytes a budgeted sequence allocates before any page stays hot, by category.
 
@@ -92,7 +128,7 @@ class Session:
     """K/V state of one sequence for a `LlamaModel` (see module docstring)."""
 
     def __init__(self, model, *, kv_budget=None, regenerator: str = "spill", policy=None,
-                 storage_dtype: str = "float32", page_tokens: int = 256, cache_dir=None,
+                 storage_dtype: str = DEFAULT_STORAGE_DTYPE, page_tokens: int = 256, cache_dir=None,
                  context_limit: int | None = None, prefix=None,
                  cache_salt: str = ""):
         c = model.config
@@ -101,7 +137,8 @@ class Session:
         self.context_limit = c.context_length if context_limit is None else context_limit
         self._geometry = dict(page_tokens=page_tokens, head_dim=c.head_dim,
                               storage_dtype=storage_dtype)
-        self.budget = None if kv_budget is None else parse_bytes(kv_budget)
+        self.budget = None if kv_budget is None else resolve_kv_budget(
+            kv_budget, full_kv_bytes(c, self.context_limit, storage_dtype))
         self.fixed = {} if self.budget is None else fixed_kv_bytes(
             c, regenerator=regenerator, page_tokens=page_tokens, storage_dtype=storage_dtype,
             context_limit=self.context_limit)

@@ -1,8 +1,9 @@
 """Units of model work the scheduler steps: a generation and an embedding batch.
 
 A job is stepped by the scheduler's worker thread until `step()` returns True, then released
-once. A `GenerationJob` prefills its prompt one chunk per step (so other streams keep moving
-during a long prefill), then decodes one token per step through `generate_steps`. An
+once. A `GenerationJob` steps the same driver as `Model.stream` (`generate.Generation`): one
+prefill chunk per step (so other streams keep moving during a long prefill), then one token
+per step, with the same stop-text rule and phase timings. An
 `EmbeddingJob` also runs one chunk of DEFAULT_CHUNK tokens per step, so a long input delays the
 other streams by one chunk at a time, with the result bitwise `Model.embedding`'s. Results go
 to the event loop through the job's `Channel` as ("text", str), ("done", outcome) or
@@ -19,9 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cfr_atlas.engine import mean_pool
-from cfr_atlas.generate import DEFAULT_CHUNK, generate_steps, prefill
+from cfr_atlas.generate import DEFAULT_CHUNK, Generation
 from cfr_atlas.sampling import SamplingParams
-from cfr_atlas.serve.stops import StopText
 
 
 class Channel:
@@ -56,15 +56,16 @@ class GenerationSpec:
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a generation ended. Seconds are the worker's time on this sequence's steps."""
+    """How a generation ended. Seconds are the worker's time on this sequence's own steps,
+    as the driver measured them (`Generation.telemetry()`, which `telemetry` holds)."""
 
     prompt_tokens: int
     eval_count: int  # sampled tokens, the end-of-generation token included
     done_reason: str  # "stop" (EOS or a stop string) or "length"
     queue_seconds: float  # submitted -> first step
-    prompt_seconds: float  # prefill and the first sample
-    eval_seconds: float  # every later decode step
-    telemetry: dict  # Session.telemetry_summary()
+    prompt_seconds: float  # prefill chunks (the driver's prefill_seconds)
+    eval_seconds: float  # decode steps, every sample included (decode_seconds)
+    telemetry: dict  # Generation.telemetry(): the session's K/V summary, counts, seconds
 
 
 @dataclass(frozen=True)
@@ -100,89 +101,41 @@ class Job:
         return 0, 0
 
 
-def prefeed_end(n_prompt: int, params: SamplingParams) -> int:
-    """How many leading prompt tokens may be prefilled in separate chunk steps.
-
-    `generate_steps` builds the repetition-penalty history from the ids it is given, so the
-    tail it gets must cover the penalty window; whole-history windows get the whole prompt.
-    Chunks are DEFAULT_CHUNK-aligned, so the prefill is split exactly as `prefill` splits it.
-    """
-    if params.repeat_penalty != 1.0 and params.repeat_last_n < 0:
-        return 0
-    tail = max(params.repeat_last_n, 1) if params.repeat_penalty != 1.0 else 1
-    return max(0, (n_prompt - tail) // DEFAULT_CHUNK * DEFAULT_CHUNK)
-
-
 class GenerationJob(Job):
-    """One sequence: its own Session, prefill chunks, then one decode step per turn."""
+    """One sequence: its own Session and `Generation`, one prefill chunk or token per turn."""
 
     def __init__(self, model, spec: GenerationSpec, channel: Channel):
         super().__init__(channel)
         self.model, self.spec = model, spec
-        self._ids = np.asarray(spec.ids, dtype=np.int64)
-        self._prefeed = prefeed_end(len(spec.ids), spec.params)
-        self._fed = 0
         self._session = None
-        self._steps = None
-        self._text = StopText(model.tokenizer, spec.stops)
-        self._n = 0
+        self._run: Generation | None = None
         self._started: float | None = None
-        self._prompt_s = self._eval_s = 0.0
 
     def step(self) -> bool:
-        t0 = time.perf_counter()
-        in_prompt = self._n == 0
-        end = self._advance()
-        dt = time.perf_counter() - t0
-        if in_prompt:
-            self._prompt_s += dt
-        else:
-            self._eval_s += dt
-        if end is None:
+        if self._run is None:
+            self._start()
+        event = self._run.step()
+        if event.text:
+            self.channel.put("text", event.text)
+        if event.finish_reason is None:
             return False
-        reason, tail = end
-        if tail:
-            self.channel.put("text", tail)
+        t = self._run.telemetry()
         self.channel.put("done", Outcome(
-            prompt_tokens=len(self.spec.ids), eval_count=self._n, done_reason=reason,
-            queue_seconds=self._started - self.submitted, prompt_seconds=self._prompt_s,
-            eval_seconds=self._eval_s, telemetry=self._session.telemetry_summary()))
+            prompt_tokens=t["prompt_tokens"], eval_count=t["generated_tokens"],
+            done_reason=event.finish_reason, queue_seconds=self._started - self.submitted,
+            prompt_seconds=t["prefill_seconds"], eval_seconds=t["decode_seconds"], telemetry=t))
         return True
 
-    def _advance(self) -> tuple[str, str] | None:
-        """One unit of work; (done_reason, last text) when the sequence has ended."""
-        if self._session is None:
-            self._started = time.perf_counter()
-            self._session = self.model.session(**self.spec.session_kw)
-            if self._prefeed:  # cached whole blocks of the prompt are mapped, not recomputed
-                self._fed = self._session.map_prefix(self._ids[:self._prefeed + 1])
-        if self._fed < self._prefeed:
-            chunk = self._ids[self._fed:self._fed + DEFAULT_CHUNK]
-            prefill(self.model.net, self._session, chunk)
-            self._fed += len(chunk)
-            return None
-        if self._steps is None:
-            self._steps = generate_steps(
-                self.model.net, self._session, self._ids[self._fed:], self.spec.params,
-                max_tokens=self.spec.max_tokens, eos_ids=self.model.tokenizer.eos_ids)
-        step = next(self._steps, None)
-        if step is None:  # max_tokens == 0
-            return "length", self._text.flush()
-        self._n += 1
-        if step.finish_reason == "stop":
-            return "stop", self._text.end()
-        piece, hit_stop = self._text.push(step.token)
-        if hit_stop:
-            return "stop", piece
-        if step.finish_reason == "length":
-            return "length", piece + self._text.flush()
-        if piece:
-            self.channel.put("text", piece)
-        return None
+    def _start(self) -> None:
+        """First turn, on the worker thread: open the session (kept for `release` even if the
+        driver refuses the request) and the driver."""
+        self._started = time.perf_counter()
+        self._session = self.model.session(**self.spec.session_kw)
+        self._run = Generation(self.model.net, self._session, self.spec.ids, self.spec.params,
+                               max_tokens=self.spec.max_tokens, tokenizer=self.model.tokenizer,
+                               stops=self.spec.stops)
 
     def release(self) -> None:
-        if self._steps is not None:
-            self._steps.close()
         if self._session is not None:
             self._session.close()  # removes the page file
             self._session.atlas.reset()  # drops every resident K/V page
@@ -194,8 +147,9 @@ class GenerationJob(Job):
         return t.resident_bytes, t.total.hot_hits, t.total.regenerations
 
     def token_counts(self) -> tuple[int, int]:
-        prompt = len(self.spec.ids) if self._n else self._fed
-        return prompt, self._n
+        if self._run is None:
+            return 0, 0
+        return self._run.prompt_fed, self._run.generated
 
 
 class EmbeddingJob(Job):

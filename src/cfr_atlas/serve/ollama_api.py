@@ -3,9 +3,10 @@
 Responses carry Ollama's fields; durations are nanoseconds, measured: `total_duration` is the
 wall time from the request to the last byte's worth of work (queue wait included),
 `prompt_eval_duration` and `eval_duration` the worker's time on this sequence's prefill and
-decode steps, `load_duration` 0 (the model stays loaded). `prompt_eval_cached_count` counts
-prompt tokens mapped from the prefix cache instead of recomputed. The final object also carries
-our K/V telemetry under `cfr_atlas`.
+decode steps as the generation driver measured them (`Outcome`), `load_duration` 0 (the
+model stays loaded). `prompt_eval_cached_count` counts prompt tokens mapped from the prefix
+cache instead of recomputed. The final object also carries our K/V telemetry under
+`cfr_atlas`.
 Request validation lives in `params`, error shapes and streaming in `http`.
 """
 

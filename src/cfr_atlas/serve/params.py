@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cfr_atlas.errors import ConfigError
-from cfr_atlas.models.session import parse_bytes
+from cfr_atlas.models.session import check_kv_budget
 from cfr_atlas.sampling import SamplingParams
 
 _MISSING = object()
@@ -144,7 +144,7 @@ class GenOptions:
     max_tokens: int | None  # None: until the context is full (or the server's default)
     stops: tuple[str, ...] = ()
     num_ctx: int | None = None  # context limit for this request; None: the model's
-    kv_budget: int | None = None  # bytes; None: the server's --kv-budget
+    kv_budget: int | str | None = None  # bytes or "10%"; None: the server's --kv-budget
     cache_salt: str | None = None  # prefix-cache isolation key; None: the shared, unsalted one
 
 
@@ -174,15 +174,18 @@ def _num_ctx(src: Mapping, where: str, context_length: int) -> int | None:
     return n
 
 
-def kv_budget(src: Mapping, where: str = "") -> int | None:
+def kv_budget(src: Mapping, where: str = "") -> int | str | None:
+    """`kv_budget`: a byte count, a size ("4MiB") or a share of the full K/V at the request's
+    context limit ("10%"), kept as text until the service resolves it against that limit."""
     value = src.get("kv_budget")
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ConfigError(where + "kv_budget", f"must be a size such as \"4MiB\" or a byte "
-                                               f"count, got {_short(value)}")
+        raise ConfigError(where + "kv_budget", f"must be a size such as \"4MiB\", a byte "
+                                               f"count or a percentage such as \"10%\", got "
+                                               f"{_short(value)}")
     try:
-        return parse_bytes(value)
+        return check_kv_budget(value)
     except ConfigError as e:
         raise ConfigError(where + "kv_budget", str(e).split(": ", 1)[1]) from None
 

@@ -3,9 +3,10 @@
 Handlers turn requests into prompt ids and `GenOptions`; the service checks the context limit
 (a prompt that does not fit is a `CapacityError` with the numbers — never truncated) and the
 K/V budget against the operator's ceiling (`--kv-budget`: a request may ask for less, never
-more), builds the job with its Session kwargs (budget, page folder, `cache_salt`), submits it
-and hands back a `Handle` the handler awaits. `ServerConfig` holds the
-settings `cfr-atlas serve` exposes. HTTP, JSON and response shapes live in the api modules.
+more; percentages on either side are compared as the bytes they resolve to), builds the job
+with its Session kwargs (budget, page folder, `cache_salt`), submits it and hands back a
+`Handle` the handler awaits. `ServerConfig` holds the settings `cfr-atlas serve` exposes.
+HTTP, JSON and response shapes live in the api modules.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from cfr_atlas.errors import CapacityError, ConfigError
 from cfr_atlas.generate import check_ids
+from cfr_atlas.models.session import full_kv_bytes, resolve_kv_budget
 from cfr_atlas.serve.card import ModelCard
 from cfr_atlas.serve.jobs import Channel, EmbeddingJob, GenerationJob, GenerationSpec, Job
 from cfr_atlas.serve.params import GenOptions
@@ -33,7 +35,8 @@ class ServerConfig:
     port: int = 11434
     model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     model_name: str | None = None  # None: the file name, lower case, ":latest"
-    kv_budget: int | None = None  # per-request K/V budget and ceiling, bytes; None: unbounded
+    kv_budget: int | str | None = None  # per-request budget and ceiling: bytes, or "10%" of
+    # the full K/V at the model's context length; None: unbounded
     cache_dir: str | None = None  # page files of budgeted sessions; None: the user cache
     max_active: int = 4  # sequences interleaved at once
     max_queue: int = 16  # requests waiting beyond those; more -> 429
@@ -92,6 +95,9 @@ class Service:
     def __init__(self, model, config: ServerConfig):
         self.model, self.config = model, config
         self.card = ModelCard.from_model(model, config.model_name)
+        # --kv-budget in bytes; a percentage is of the full K/V at the model's context length
+        self.ceiling = None if config.kv_budget is None else resolve_kv_budget(
+            config.kv_budget, full_kv_bytes(model.config, model.config.context_length))
         self.scheduler = Scheduler(max_active=config.max_active, max_queue=config.max_queue,
                                    retry_after=config.retry_after)
         self.started = time.time()
@@ -108,21 +114,28 @@ class Service:
         """Messages -> ids; their text never becomes control tokens (`Model.chat_ids`)."""
         return self.model.chat_ids(messages)
 
-    def kv_budget(self, requested: int | None) -> int | None:
-        """The budget a request runs under: its own if at most the operator's ceiling."""
-        ceiling = self.config.kv_budget
+    def kv_budget(self, requested: int | str | None, context_limit: int) -> int | str | None:
+        """The budget a request runs under: its own (bytes or a percentage, which its Session
+        resolves against `context_limit` exactly as here) if that many bytes are at most the
+        operator's ceiling; else the ceiling."""
         if requested is None:
-            return ceiling
-        if ceiling is not None and requested > ceiling:
-            raise ConfigError("kv_budget", f"{requested} bytes is above this server's ceiling "
-                                           f"of {ceiling} bytes (--kv-budget); ask for at most "
-                                           f"{ceiling}")
+            return self.ceiling
+        asked = resolve_kv_budget(requested, full_kv_bytes(self.model.config, context_limit))
+        if self.ceiling is not None and asked > self.ceiling:
+            share = f" ({requested} of {context_limit} tokens' K/V)" if isinstance(
+                requested, str) and requested.endswith("%") else ""
+            raise ConfigError("kv_budget", f"{asked} bytes{share} is above this server's "
+                                           f"ceiling of {self.ceiling} bytes (--kv-budget); ask "
+                                           f"for at most {self.ceiling}")
         return requested
 
-    def session_kw(self, kv_budget: int | None, cache_salt: str | None, **kw) -> dict:
+    def session_kw(self, kv_budget: int | str | None, cache_salt: str | None,
+                   longest: int | None = None, **kw) -> dict:
         """Session kwargs of one request: the budget under the ceiling, the page folder, and
-        the prefix-cache salt (blocks of different salts are never shared)."""
-        budget = self.kv_budget(kv_budget)
+        the prefix-cache salt (blocks of different salts are never shared). `longest`: the
+        largest context limit among the request's sessions, what a percentage is of (None:
+        the model's context length)."""
+        budget = self.kv_budget(kv_budget, longest or self.context_length)
         if budget is not None:
             kw.update(kv_budget=budget, cache_dir=self.config.cache_dir)
         if cache_salt is not None:
@@ -144,15 +157,17 @@ class Service:
         max_tokens = opts.max_tokens if opts.max_tokens is not None else self.config.max_tokens
         room = limit - len(ids) + 1  # the last sampled token is never fed back
         max_tokens = room if max_tokens is None else min(max_tokens, room)
-        session_kw = self.session_kw(opts.kv_budget, opts.cache_salt, context_limit=limit)
+        session_kw = self.session_kw(opts.kv_budget, opts.cache_salt, longest=limit,
+                                     context_limit=limit)
         spec = GenerationSpec(tuple(ids), opts.sampling, max_tokens, opts.stops, session_kw)
         return self._submit(lambda ch: GenerationJob(self.model, spec, ch), t0)
 
-    def start_embedding(self, inputs: list[str | list[int]], kv_budget: int | None = None,
+    def start_embedding(self, inputs: list[str | list[int]], kv_budget: int | str | None = None,
                         cache_salt: str | None = None) -> Handle:
-        """Embed texts (tokenized here, as text) or token-id lists, one chunk per step."""
+        """Embed texts (tokenized here, as text) or token-id lists, one chunk per step. Each
+        input's Session is sized to it, so a percentage budget is of that input's full K/V
+        (checked against the ceiling for the longest)."""
         t0 = time.perf_counter()
-        session_kw = self.session_kw(kv_budget, cache_salt)
         inputs = [self.tokenize(x) if isinstance(x, str) else x for x in inputs]
         for i, ids in enumerate(inputs):
             if not ids:
@@ -163,6 +178,7 @@ class Service:
         if total > self.config.max_embed_tokens:
             raise ConfigError("input", f"is {total} tokens in all, more than this server's "
                                        f"limit of {self.config.max_embed_tokens} per request")
+        session_kw = self.session_kw(kv_budget, cache_salt, longest=max(map(len, inputs)))
         return self._submit(lambda ch: EmbeddingJob(self.model, inputs, ch, session_kw), t0)
 
     def _submit(self, make, t0: float) -> Handle:

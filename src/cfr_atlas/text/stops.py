@@ -1,20 +1,22 @@
 """`StopText`: generated token ids -> text pieces, cut at the first stop string.
 
-It applies exactly the rules of `Model.stream`, so a served completion equals
-`model.generate(...)` with the same settings: a piece is released once it cannot be the start
-of a stop string, an end-of-generation token ends the text without flushing held-back bytes,
-and hitting the token limit flushes them. It does not sample, schedule or know about HTTP.
+The one copy of the stop-text rule, applied by the generation driver (`generate.Generation`)
+that `Model.stream`, the CLI and the server all consume: a piece is released once it cannot be
+the start of a stop string, an end-of-generation token ends the text without flushing held-back
+bytes, and hitting the token limit flushes them. It does not sample, schedule or know about HTTP.
 """
 
 from __future__ import annotations
 
-from cfr_atlas.text import StreamDecoder, Tokenizer
+from cfr_atlas.text.stream import StreamDecoder
+from cfr_atlas.text.tokenizer import Tokenizer
 
 
 class StopText:
     """`push(token) -> (text, hit_stop)`; then `end()` after EOS or `flush()` after the limit.
 
-    Invariant: the pieces joined equal the text `Model.stream` yields for the same tokens.
+    Invariant: the pieces joined are the detokenized tokens cut before the first occurrence of
+    any stop string (the stop string itself is never sent).
     """
 
     def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...] = ()):
