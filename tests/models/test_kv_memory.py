@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import collections
+import mmap
 import threading
 import tracemalloc
 import types
@@ -29,10 +30,11 @@ _LEAVES = (bytes, str, int, float, bool, complex, type(None), types.ModuleType, 
            types.FunctionType, types.BuiltinFunctionType, types.MethodType, threading.Thread)
 
 
-def owned_arrays(root, skip) -> list[np.ndarray]:
+def owned_arrays(root, skip, mapped: list | None = None) -> list[np.ndarray]:
     """Every distinct ndarray buffer reachable from `root` through attributes, dicts, lists,
     tuples, sets and deques, not entering the objects in `skip` (the model's weights, the
-    process-wide prefix cache, thread pools)."""
+    process-wide prefix cache, thread pools). Arrays over a memory-mapped file (the spill page
+    file: page cache, not the process's allocation) go to `mapped` instead."""
     skip_ids = {id(o) for o in skip}
     seen, found, stack = set(), {}, [root]
     while stack:
@@ -43,6 +45,11 @@ def owned_arrays(root, skip) -> list[np.ndarray]:
         if isinstance(obj, np.ndarray):
             while isinstance(obj.base, np.ndarray):
                 obj = obj.base
+            base = obj.base.obj if isinstance(obj.base, memoryview) else obj.base
+            if isinstance(base, mmap.mmap):
+                if mapped is not None and all(a is not obj for a in mapped):
+                    mapped.append(obj)
+                continue
             found[id(obj)] = obj
         elif isinstance(obj, dict):
             stack.extend(obj.keys())
@@ -61,8 +68,12 @@ def _skip(model, session) -> list:
 
 def _check(model, session, budget: int) -> dict:
     t = session.telemetry_summary()
-    walked = sum(a.nbytes for a in owned_arrays(session, _skip(model, session)))
+    mapped = []
+    walked = sum(a.nbytes for a in owned_arrays(session, _skip(model, session), mapped))
     assert walked == t["allocated_kv_bytes"] + t["kv_table_bytes"], t
+    spill = getattr(session.backend, "rest", session.backend)  # BlockSource wraps it
+    file_slabs = getattr(spill, "file_bytes", 4096) - 4096  # K and V slabs of the page file
+    assert sum(a.nbytes for a in mapped) == file_slabs
     assert t["allocated_kv_bytes"] == sum(t["allocated_kv_by_category"].values())
     assert t["allocated_kv_bytes"] <= t["peak_allocated_kv_bytes"] <= budget, t
     return t
