@@ -110,20 +110,23 @@ def atlas_variant(name, args, syn, q, budget_pages: int | None, compare=True, bu
     return Variant(name, lambda: atlas.attend(backend, req, policy), resident, compare, budget)
 
 
-def mapped_variant(args, syn, q, tmp: str) -> Variant:
+def mapped_variant(args, syn, q) -> Variant:
     """Budget 0 with the spill page file: every page folded in place from the file's mapping
     (in the OS page cache) and its checksum verified by the fold kernel."""
     P, D, n = args.page, args.head_dim, args.context
     dt = StorageDtype(args.storage)
-    spill = SpillKv(tmp, P, D, dt, "00" * 32, n_layers=1, n_kv_heads=1, context_tokens=n)
+    tmp = tempfile.TemporaryDirectory()  # lives as long as the row (removed with it)
+    spill = SpillKv(tmp.name, P, D, dt, "00" * 32, n_layers=1, n_kv_heads=1, context_tokens=n)
     K, V = syn.full(0, 0, n)
     spill.record(0, 0, None, K[:, None], V[:, None])
     cfg = AtlasConfig(page_tokens=P, head_dim=D, storage_dtype=args.storage,
                       max_scratch_tokens=args.scratch_pages * P)
     atlas = Atlas(cfg)
     req = AttentionRequest(0, 0, q, n)
-    return Variant("fold, budget 0%, all read in place from the page file", lambda: atlas.attend(
-        spill, req, KeepRecent(0)), lambda: cfg.scratch_bytes, compare=True, budget=0.0)
+    row = Variant("fold, budget 0%, all read in place from the page file", lambda: atlas.attend(
+        spill, req, KeepRecent(0)), lambda: cfg.scratch_bytes, compare=True)
+    row.files = (tmp, spill)
+    return row
 
 
 def checksum_variant(args, syn) -> Variant:
@@ -168,7 +171,7 @@ def build(args) -> list[Variant]:
         label = f"fold, budget {frac:.0%} ({pages} pages)" + (", all regenerated" if not pages
                                                               else "")
         rows.append(atlas_variant(label, args, syn, q, pages, budget=frac))
-    rows.append(mapped_variant(args, syn, q, args.tmp))
+    rows.append(mapped_variant(args, syn, q))
     rows.append(checksum_variant(args, syn))
     rows.append(atlas_variant(f"fold, all hot, GQA group {args.gqa_group}", args, syn,
                               q_gqa[:args.gqa_group], None))
@@ -284,10 +287,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         numba.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        args.tmp = tmp
-        rows = build(args)
-        measure(rows, args.repeats)
+    rows = build(args)
+    measure(rows, args.repeats)
     text, ok = table(rows, args)
     print(f"context {args.context}, head_dim {args.head_dim}, page {args.page}, group "
           f"{args.group}, storage {args.storage}, numba threads {numba.get_num_threads()}, "
