@@ -31,3 +31,14 @@ def page_len(start: int, context_tokens: int, page_tokens: int) -> int:
 def first_page(lowest_token: int, page_tokens: int) -> int:
     """Index of the page holding `lowest_token` (the first page a window can reach)."""
     return max(0, lowest_token) // page_tokens
+
+
+def page_spans(start: int, end: int, page_tokens: int):
+    """Pieces of tokens [start, end) cut at page boundaries: (page_start, lo, hi) with
+    page_start <= lo < hi <= page_start + page_tokens, in order."""
+    pos = start
+    while pos < end:
+        page_start = pos - pos % page_tokens
+        hi = min(end, page_start + page_tokens)
+        yield page_start, pos, hi
+        pos = hi

@@ -26,7 +26,7 @@ import numpy as np
 from cfr_atlas.atlas import fold
 from cfr_atlas.atlas.config import AtlasConfig
 from cfr_atlas.atlas.hot_cache import HotCache
-from cfr_atlas.atlas.pages import PageKey, first_page, page_count
+from cfr_atlas.atlas.pages import PageKey, first_page, page_count, page_spans
 from cfr_atlas.atlas.policy import KeepAll
 from cfr_atlas.atlas.storage import StorageDtype, format_of, round_rows, stage_f32, widen
 from cfr_atlas.atlas.telemetry import Counters, Telemetry
@@ -485,11 +485,7 @@ class Atlas:
 
     def _write_head(self, layer, head, start, k_st, v_st, policy, context) -> None:
         P = self.config.page_tokens
-        pos = start
-        end = start + k_st.shape[0]
-        while pos < end:
-            page_start = pos - pos % P
-            stop = min(end, page_start + P)
+        for page_start, pos, stop in page_spans(start, start + k_st.shape[0], P):
             key = PageKey(layer, head, page_start)
             rows_k, rows_v = k_st[pos - start:stop - start], v_st[pos - start:stop - start]
             slot, have = self.cache.page_state(key)
@@ -502,7 +498,6 @@ class Atlas:
                 self._peak = max(self._peak, self.cache.resident_bytes)
             elif pos == page_start and policy.admits(key, P, context):
                 self._admit(key, rows_k, rows_v, policy, context)
-            pos = stop
 
     def _wipe_scratch(self) -> None:
         self._scratch_k.fill(0)
