@@ -109,7 +109,8 @@ def round_kv(x: np.ndarray, kv_round: str | None) -> np.ndarray:
     """K or V rows (float64) -> the values a read sees after storing them as `kv_round`."""
     if kv_round not in KV_ROUND:
         raise ReferenceError(f"kv_round {kv_round!r} is not one of {list(KV_ROUND)}")
-    out = KV_ROUND[kv_round](x)
+    with np.errstate(over="ignore"):  # overflow is checked just below
+        out = KV_ROUND[kv_round](x)
     if not np.isfinite(out).all():
         raise ReferenceError(f"K/V rows overflow {kv_round} (max |x| {np.abs(x).max():.4g})")
     return out
