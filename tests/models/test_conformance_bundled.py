@@ -94,3 +94,12 @@ def test_greedy_generation_is_deterministic_run_to_run(model, tmp_path):
     assert model.last_telemetry["logits_sha256"] == fingerprint
     budgeted = model.generate(prompt, max_tokens=24, kv_budget="512KiB", cache_dir=tmp_path)
     assert budgeted == first and model.last_telemetry["logits_sha256"] == fingerprint
+
+
+@pytest.mark.parametrize("dtype, per_token", [(None, 23_040), ("float32", 46_080)])
+def test_full_kv_bytes_per_token_of_the_storage_dtype(model, ids, dtype, per_token):
+    """float16 by default: 2 x 30 layers x 3 K/V heads x 64 x 2 bytes = 23,040 per token."""
+    kv = {} if dtype is None else {"storage_dtype": dtype}
+    model.logits(ids[:16], **kv)
+    assert model.last_telemetry["full_kv_bytes"] == 16 * per_token
+    assert model.config.kv_bytes_per_token() == 23_040

@@ -7,7 +7,8 @@ kept inputs for `context_limit` tokens; then prefix blocks held; the hot cache's
 gets the rest and is allocated once). The rest of the K/V comes back from the regenerator
 ("spill": the sequence's page file, written as rows are computed). Both run the same fold in
 the same page order, so logits are bitwise equal. `allocations()` measures what is held, by
-category, from the arrays themselves.
+category, from the arrays themselves. K/V rows are stored as `storage_dtype`, float16 unless
+asked otherwise (`DEFAULT_STORAGE_DTYPE`; "float32" and "bfloat16" are the others).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import numpy as np
 
 from cfr_atlas.atlas import Atlas, AtlasConfig, KeepAll, KeepRecent, PageKey, widen
 from cfr_atlas.atlas.pages import page_count
+from cfr_atlas.atlas.storage import DEFAULT_STORAGE_DTYPE
 from cfr_atlas.errors import ConfigError, RegeneratorError
 from cfr_atlas.kv import SpillKv
 from cfr_atlas.kv.page_file import HDR_BYTES
-from cfr_atlas.models.prefix import BlockBuilder, BlockSource, check_salt, salted_root
+from cfr_atlas.models.prefix import BlockBuilder, BlockSource, check_salt, held_bytes, salted_root
 from cfr_atlas.models.recompute import RecomputeKv
 
 UNBOUNDED = 1 << 40
@@ -49,7 +51,7 @@ def parse_bytes(value, field: str = "kv_budget") -> int:
 
 
 def fixed_kv_bytes(config, *, regenerator: str = "spill", page_tokens: int = 256,
-                   storage_dtype: str = "float32", context_limit: int | None = None,
+                   storage_dtype: str = DEFAULT_STORAGE_DTYPE, context_limit: int | None = None,
                    prefetch_pages: int = 0) -> dict[str, int]:
     """Bytes a budgeted sequence allocates before any page stays hot, by category.
 
@@ -95,7 +97,7 @@ class Session:
     """K/V state of one sequence for a `LlamaModel` (see module docstring)."""
 
     def __init__(self, model, *, kv_budget=None, regenerator: str = "spill", policy=None,
-                 storage_dtype: str = "float32", page_tokens: int = 256, cache_dir=None,
+                 storage_dtype: str = DEFAULT_STORAGE_DTYPE, page_tokens: int = 256, cache_dir=None,
                  context_limit: int | None = None, prefetch_pages: int = 0, prefix=None,
                  cache_salt: str = ""):
         c = model.config
@@ -169,10 +171,10 @@ class Session:
         usable = (len(ids) - 1) // B * B
         blocks = self.prefix.lookup(self._builder.root, ids[:usable]) if usable else []
         if blocks and self.backend.keeps_mapped_blocks:
-            blocks = blocks[:(self.budget - self.reserved_bytes) // blocks[0].nbytes]
+            blocks = blocks[:(self.budget - self.reserved_bytes) // held_bytes(blocks[:1])]
             if blocks:
                 self.atlas = None  # the empty pool goes before the smaller one is made
-                self.atlas = self._new_atlas(sum(b.nbytes for b in blocks))
+                self.atlas = self._new_atlas(held_bytes(blocks))
                 self.backend = BlockSource(blocks, self.backend)
         if not blocks:
             return 0
