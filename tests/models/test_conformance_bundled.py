@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from cfr_atlas.atlas import Atlas, AtlasConfig, NeverAdmit, PageKey, widen
+from cfr_atlas.atlas import Atlas, AtlasConfig, NeverAdmit, PageKey, round_rows, widen
 from cfr_atlas.engine import load_model
 from cfr_atlas.generate import prefill
 from cfr_atlas.validate import run_validation, validation_text
@@ -56,10 +56,15 @@ def test_rows_then_attention_match_the_stored_path(model, ids, tmp_path, regen):
                 k_ref, v_ref = _stored_rows(s, key, n)
                 k, v = np.empty_like(k_ref), np.empty_like(v_ref)
                 s.backend.regenerate_page(key, range(key.start_token, key.start_token + n), k, v)
+                # float32 rows, rounded once by the runtime (ADAPTERS.md): spill's are already
+                # in the storage dtype, recompute's are the full path's rows before rounding
+                dt = s.atlas.config.dtype
+                k, v = (widen(round_rows(r, dt), dt) for r in (k, v))
                 assert np.array_equal(k, k_ref) and np.array_equal(v, v_ref), key
         q = rng.standard_normal((1, c.n_kv_heads, c.group, c.head_dim)).astype(np.float32)
         stored = s.atlas.attend_heads(s.backend, layer, range(c.n_kv_heads), q, len(ids))
-        cold = Atlas(AtlasConfig(page_tokens=PAGE, head_dim=c.head_dim))
+        cold = Atlas(AtlasConfig(page_tokens=PAGE, head_dim=c.head_dim,
+                                 storage_dtype=s.atlas.config.storage_dtype))
         regenerated = cold.attend_heads(s.backend, layer, range(c.n_kv_heads), q, len(ids),
                                         NeverAdmit())
         assert np.array_equal(stored, regenerated)
