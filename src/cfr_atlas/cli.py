@@ -35,8 +35,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regenerator", default="spill", choices=["spill", "recompute"],
                    help="where cold pages come from: spill (the sequence's page file, default) "
                    "or recompute (replay K/V from kept layer inputs)")
-    p.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"],
-                   help="K/V storage dtype (default float32)")
+    p.add_argument("--kv-dtype", default="float16", choices=["float32", "float16", "bfloat16"],
+                   help="K/V storage dtype (default float16; float32 doubles the K/V bytes)")
     p.add_argument("--cache-dir", default=None, help="folder for page files (default: user cache)")
     p.add_argument("--prefix-cache", default=None, metavar="DIR",
                    help="persistent prefix cache folder: prompts starting with cached blocks "
@@ -245,8 +245,8 @@ def _inspect(a) -> None:
     for name, (count, nbytes) in sorted(sizes.items()):
         print(f"  {name:6s} {count:4d} tensors {nbytes:>14,} bytes")
     cfg = LlamaConfig.from_gguf(gf)
-    print(f"K/V bytes per token: {cfg.kv_bytes_per_token(4):,} (float32), "
-          f"{cfg.kv_bytes_per_token(2):,} (float16)")
+    print(f"K/V bytes per token: {cfg.kv_bytes_per_token(2):,} (float16, the default), "
+          f"{cfg.kv_bytes_per_token(4):,} (float32)")
 
 
 def main(argv=None) -> int:

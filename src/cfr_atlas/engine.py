@@ -65,10 +65,10 @@ class Model:
 
     # --- sessions and logits ---------------------------------------------------------------
     def session(self, **kv) -> Session:
-        """A fresh sequence: kv_budget, regenerator, policy, storage_dtype, page_tokens,
-        cache_dir, context_limit, cache_salt (see `Session`). Every method below that takes
-        `**kv` passes them here; `cache_salt` (str, default "" = none) keys the prefix cache's
-        blocks, so requests with different salts never share cached K/V."""
+        """A fresh sequence: kv_budget, regenerator, policy, storage_dtype (default "float16"),
+        page_tokens, cache_dir, context_limit, cache_salt (see `Session`). Every method below
+        that takes `**kv` passes them here; `cache_salt` (str, default "" = none) keys the prefix
+        cache's blocks, so requests with different salts never share cached K/V."""
         return Session(self.net, prefix=self.prefix, **kv)
 
     def _sized(self, n_tokens: int, kv: dict) -> dict:

@@ -20,6 +20,11 @@ Conventions (the contract of `cfr_atlas.testing.tiny_gguf`, and llama.cpp's):
     freq_scale = 1 / `rope.scaling.factor` for scaling type "linear", which is llama.cpp's
     default when `rope.scaling.type` is absent (factor absent or 0 -> 1); type "none" -> 1.
     Any other type (yarn, longrope, ...) is refused: the reference does not model it.
+  * K/V storage (`kv_round`): None keeps K and V in float64. "float16" / "bfloat16" round every
+    K and V row (K after RoPE), once, to nearest with ties to even, before any query reads it, as
+    an engine storing its K/V in that format does; everything else stays float64. float16 is
+    NumPy's cast; bfloat16 (8 significant bits, float32's exponent range) is `round_bfloat16`
+    below, written here on its own, not taken from the engine.
 """
 
 from __future__ import annotations
@@ -84,6 +89,33 @@ def rope(x: np.ndarray, pos: np.ndarray, theta: float, n_rot: int, neox: bool,
     return out
 
 
+def round_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float64 -> float64 values representable in bfloat16, round to nearest, ties to even.
+
+    x = m * 2^e with 0.5 <= |m| < 1 (frexp); bfloat16 keeps 8 significant bits, so the quantum
+    is 2^(e - 8), floored at 2^-133 (bfloat16's smallest subnormal). rint rounds half to even;
+    every step is exact in float64. Values past bfloat16's range become inf (caller checks).
+    """
+    _, e = np.frexp(x)
+    q = np.maximum(e - 8, -133)  # exponent of the quantum
+    return np.ldexp(np.rint(np.ldexp(x, -q)), q)
+
+
+KV_ROUND = {None: lambda x: x, "float16": lambda x: x.astype(np.float16).astype(np.float64),
+            "bfloat16": round_bfloat16}
+
+
+def round_kv(x: np.ndarray, kv_round: str | None) -> np.ndarray:
+    """K or V rows (float64) -> the values a read sees after storing them as `kv_round`."""
+    if kv_round not in KV_ROUND:
+        raise ReferenceError(f"kv_round {kv_round!r} is not one of {list(KV_ROUND)}")
+    with np.errstate(over="ignore"):  # overflow is checked just below
+        out = KV_ROUND[kv_round](x)
+    if not np.isfinite(out).all():
+        raise ReferenceError(f"K/V rows overflow {kv_round} (max |x| {np.abs(x).max():.4g})")
+    return out
+
+
 def softmax(s: np.ndarray) -> np.ndarray:
     e = np.exp(s - s.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
@@ -104,11 +136,13 @@ def rope_scale(r: GGUFReader, arch: str) -> float:
     return 1.0 if factor == 0.0 else 1.0 / factor
 
 
-def reference_logits(path, ids: list[int]) -> np.ndarray:
+def reference_logits(path, ids: list[int], kv_round: str | None = None) -> np.ndarray:
     """Token ids (T,) -> logits (T, vocab) float64, positions 0..T-1, full causal attention.
 
     `path` may also be an open GGUFReader: parsing a 49k-token vocabulary takes seconds.
+    `kv_round`: None (K/V in float64), "float16" or "bfloat16" (see the module docstring).
     """
+    round_kv(np.zeros(1), kv_round)  # an unknown format fails before the slow part
     r = path if isinstance(path, GGUFReader) else GGUFReader(path)
     arch = _meta(r, "general.architecture")
     if arch not in NEOX_ROPE:
@@ -146,6 +180,7 @@ def reference_logits(path, ids: list[int]) -> np.ndarray:
         q = rope(q.reshape(T, n_heads, head_dim), pos, theta, n_rot, NEOX_ROPE[arch], ff, scale)
         k = rope(k.reshape(T, n_kv_heads, head_dim), pos, theta, n_rot, NEOX_ROPE[arch], ff, scale)
         v = v.reshape(T, n_kv_heads, head_dim)
+        k, v = round_kv(k, kv_round), round_kv(v, kv_round)  # as stored, before any read
         att = np.empty((T, n_heads, head_dim))
         for h in range(n_heads):
             scores = q[:, h] @ k[:, h // group].T / math.sqrt(head_dim) + causal  # (T, T)

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from cfr_atlas.atlas import Atlas, AtlasConfig, NeverAdmit, PageKey, widen
+from cfr_atlas.atlas import Atlas, AtlasConfig, NeverAdmit, PageKey, round_rows, widen
 from cfr_atlas.engine import load_model
 from cfr_atlas.generate import prefill
 from cfr_atlas.validate import run_validation, validation_text
@@ -56,10 +56,15 @@ def test_rows_then_attention_match_the_stored_path(model, ids, tmp_path, regen):
                 k_ref, v_ref = _stored_rows(s, key, n)
                 k, v = np.empty_like(k_ref), np.empty_like(v_ref)
                 s.backend.regenerate_page(key, range(key.start_token, key.start_token + n), k, v)
+                # float32 rows, rounded once by the runtime (ADAPTERS.md): spill's are already
+                # in the storage dtype, recompute's are the full path's rows before rounding
+                dt = s.atlas.config.dtype
+                k, v = (widen(round_rows(r, dt), dt) for r in (k, v))
                 assert np.array_equal(k, k_ref) and np.array_equal(v, v_ref), key
         q = rng.standard_normal((1, c.n_kv_heads, c.group, c.head_dim)).astype(np.float32)
         stored = s.atlas.attend_heads(s.backend, layer, range(c.n_kv_heads), q, len(ids))
-        cold = Atlas(AtlasConfig(page_tokens=PAGE, head_dim=c.head_dim))
+        cold = Atlas(AtlasConfig(page_tokens=PAGE, head_dim=c.head_dim,
+                                 storage_dtype=s.atlas.config.storage_dtype))
         regenerated = cold.attend_heads(s.backend, layer, range(c.n_kv_heads), q, len(ids),
                                         NeverAdmit())
         assert np.array_equal(stored, regenerated)
@@ -94,3 +99,12 @@ def test_greedy_generation_is_deterministic_run_to_run(model, tmp_path):
     assert model.last_telemetry["logits_sha256"] == fingerprint
     budgeted = model.generate(prompt, max_tokens=24, kv_budget="512KiB", cache_dir=tmp_path)
     assert budgeted == first and model.last_telemetry["logits_sha256"] == fingerprint
+
+
+@pytest.mark.parametrize("dtype, per_token", [(None, 23_040), ("float32", 46_080)])
+def test_full_kv_bytes_per_token_of_the_storage_dtype(model, ids, dtype, per_token):
+    """float16 by default: 2 x 30 layers x 3 K/V heads x 64 x 2 bytes = 23,040 per token."""
+    kv = {} if dtype is None else {"storage_dtype": dtype}
+    model.logits(ids[:16], **kv)
+    assert model.last_telemetry["full_kv_bytes"] == 16 * per_token
+    assert model.config.kv_bytes_per_token() == 23_040

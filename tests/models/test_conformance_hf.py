@@ -13,6 +13,10 @@ Tolerances, in float32 terms (u = 2**-24 ~ 6e-8 is the unit roundoff):
     same tiny weights rounded to F16 already move the logits by 1e-3 relative, 40x the bound.
   * argmax agreement >= MIN_ARGMAX (99%), and every disagreement must be a near tie: HF's top
     two logits within 2 x max |ours - HF| of each other. Measured: 100% everywhere.
+  These hold with K/V stored as float32 (`storage_dtype="float32"`, passed explicitly). With the
+  default float16 K/V, the bundled model's bound is REL_TOL_F16 = 2e-3: float16 keeps 11
+  significant bits (u = 2**-11 ~ 4.9e-4 relative per K/V element); measured 6.7e-4 relative
+  (max |diff| 0.028 at logits up to 42), a 3x margin, argmax 100% (docs/CONFORMANCE.md).
 
 Needs torch, transformers and accelerate (transformers' GGUF loader wants it). Marked `hf`:
 `make test` deselects these tests so the main suite stays light, and `make conformance` (a CI
@@ -33,6 +37,7 @@ pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("hf_packages")]
 
 N_TOKENS = 300  # positions compared: ~300 tokens of the shipped validation text
 REL_TOL = 2.5e-5  # max |ours - HF| / max |HF logits|; see the module docstring
+REL_TOL_F16 = 2e-3  # the same with float16 K/V (the default storage)
 MIN_ARGMAX = 0.99
 
 
@@ -48,13 +53,13 @@ def hf_logits(path, ids: list[int]) -> np.ndarray:
     return out.to(torch.float32).numpy()
 
 
-def ours_and_hf(path) -> tuple[np.ndarray, np.ndarray, list[int]]:
+def ours_and_hf(path, storage_dtype: str = "float32") -> tuple[np.ndarray, np.ndarray, list[int]]:
     """Both models' logits on the first N_TOKENS ids of the validation text (our tokenizer,
     BOS only if the GGUF asks for one; HF gets the same ids, so tokenizers cannot differ)."""
     model = load_model(path)
     ids = model.tokenize(validation_text())[:N_TOKENS]
     assert len(ids) == N_TOKENS
-    return model.logits(ids), hf_logits(path, ids), ids
+    return model.logits(ids, storage_dtype=storage_dtype), hf_logits(path, ids), ids
 
 
 def compare(label: str, ours: np.ndarray, theirs: np.ndarray) -> dict:
@@ -78,8 +83,8 @@ def compare(label: str, ours: np.ndarray, theirs: np.ndarray) -> dict:
     return r
 
 
-def check(r: dict) -> None:
-    assert r["max_abs"] <= REL_TOL * r["scale"], r
+def check(r: dict, rel_tol: float = REL_TOL) -> None:
+    assert r["max_abs"] <= rel_tol * r["scale"], r
     assert r["argmax_agree"] >= MIN_ARGMAX, r
     assert all(gap <= 2 * r["max_abs"] for gap in r["gaps_at_disagreements"]), r
 
@@ -104,6 +109,9 @@ def test_tiny_gguf_matches_transformers(tiny_gguf, arch, qtype, tied):
 
 
 @pytest.mark.slow
-def test_bundled_model_matches_transformers(bundled_model_path):
-    ours, theirs, _ = ours_and_hf(bundled_model_path)
-    check(compare(f"bundled {bundled_model_path.name}", ours, theirs))
+@pytest.mark.parametrize("storage_dtype, rel_tol", [("float32", REL_TOL),
+                                                    ("float16", REL_TOL_F16)])
+def test_bundled_model_matches_transformers(bundled_model_path, storage_dtype, rel_tol):
+    ours, theirs, _ = ours_and_hf(bundled_model_path, storage_dtype)
+    check(compare(f"bundled {bundled_model_path.name}, {storage_dtype} K/V", ours, theirs),
+          rel_tol)

@@ -93,7 +93,7 @@ def test_allocated_bytes_are_the_arrays_the_session_owns(tiny_llama, tmp_path, i
     limit = len(ids) + 8
     fixed = sum(fixed_kv_bytes(model.config, regenerator=regen, page_tokens=PAGE,
                                context_limit=limit).values())
-    page_bytes = PAGE * model.config.head_dim * 2 * 4
+    page_bytes = PAGE * model.config.head_dim * 2 * 2  # K + V, float16 (the default storage)
     budget = fixed + hot_pages * page_bytes + 100  # not a whole number of slots on purpose
     kw = dict(kv_budget=budget, regenerator=regen, page_tokens=PAGE, cache_dir=tmp_path,
               context_limit=limit)
@@ -176,7 +176,8 @@ def _traced_while_alive(model, ids, budget, tmp_path) -> tuple[int, int]:
     the session was made."""
     base = tracemalloc.get_traced_memory()[0]
     tracemalloc.reset_peak()
-    s = model.session(kv_budget=budget, cache_dir=tmp_path, context_limit=len(ids))
+    s = model.session(kv_budget=budget, cache_dir=tmp_path, context_limit=len(ids),
+                      storage_dtype="float32")  # 8 KiB per token: 23 MiB > the 16 MiB budget
     prefill(model.net, s, ids)
     now, peak = tracemalloc.get_traced_memory()
     assert s.telemetry_summary()["peak_allocated_kv_bytes"] <= budget

@@ -61,7 +61,7 @@ def test_other_model_dtype_or_block_size_never_hits(cached, tiny_gguf, tmp_path)
     cached.next_logits(IDS, page_tokens=PAGE)
     cached.next_logits(IDS, page_tokens=PAGE * 2)
     assert cached.last_telemetry["prompt_cached_tokens"] == 0
-    cached.next_logits(IDS, page_tokens=PAGE, storage_dtype="float16")
+    cached.next_logits(IDS, page_tokens=PAGE, storage_dtype="float32")  # not the default
     assert cached.last_telemetry["prompt_cached_tokens"] == 0
     other = load_model(tiny_gguf(arch="llama", qtype="Q8_0", n_layers=2, seed=1),
                        prefix_cache=tmp_path / "prefix")
@@ -95,7 +95,7 @@ def test_prefix_cache_bytes_bounds_the_folder(tiny_llama, tmp_path, caplog):
     from cfr_atlas.kv import encoded_size
 
     probe = load_model(tiny_llama, prefix_cache=tmp_path / "probe")
-    size = encoded_size(probe.prefix.cache(PAGE, "float32").signature)
+    size = encoded_size(probe.prefix.cache(PAGE, "float16").signature)  # the default storage
     probe.prefix.close()
     folder = tmp_path / "prefix"
     m = load_model(tiny_llama, prefix_cache=folder, prefix_cache_bytes=2 * size)

@@ -14,7 +14,23 @@ entries enters the check; the argmax must agree wherever the reference's top-2 g
 2 x REL_TOL x max(1, |top logit|) (everywhere, as measured: the smallest gap is 4.5e-4).
 The budgeted run (512 KiB, pages regenerated) must equal the unbudgeted one bitwise.
 
-The committed file cannot rot silently: the model file's sha256 must match, and the reference
+These bounds are for K/V stored as float32 (`storage_dtype="float32"`, passed explicitly).
+
+The default storage, float16, is checked against `data/smollm2_reference_float16.npz`: the same
+reference with every K and V row rounded to float16 as stored (`reference.round_kv`). Its
+bounds cannot be float32-tight on this 30-layer model: an element whose float32 value lies
+within float32 roundoff of a float16 rounding boundary rounds the other way in the engine, and
+the float16-sized step that makes spreads through the later layers (the tiny 2- and 4-layer
+models of test_llama.py do show a tight match). Measured (2026-11-30), max |e - r| over the
+stored entries and their root mean square, engine against each reference:
+                       vs float16-rounded ref    vs float64 ref
+    engine float16     1.49e-2 / 1.58e-3         3.40e-2 / 2.45e-3
+    engine float32     3.31e-2 / 2.49e-3         6.26e-5 / 5.69e-6
+so F16_ABS_TOL = 0.03 (2x) and F16_RMS_TOL = 2e-3 (1.27x; the float32 engine and the float16
+engine against the unrounded reference both exceed it, which the test asserts); argmax equal
+at every position (measured 1024/1024; 1023 against the unrounded reference).
+
+The committed files cannot rot silently: the model file's sha256 must match, and the reference
 forward pass is re-run here on the first PREFIX positions and compared with the stored numbers.
 Slow (about 2-3 minutes); `make test` runs it, and in CI (CI=true) a missing bundled model fails.
 """
@@ -27,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGUFReader
-from make_reference_logits import DEFAULT_OUT, INSTALL, bundled_model, file_sha256, summarize
+from make_reference_logits import INSTALL, bundled_model, file_sha256, reference_file, summarize
 from reference import reference_logits
 
 from cfr_atlas.engine import load_model
@@ -36,12 +52,22 @@ pytestmark = pytest.mark.slow
 REL_TOL = 1e-4  # |engine - ref| / max(1, |ref|), per entry; see the module docstring
 PREFIX = 64  # positions of the reference re-run on every test run
 REF_RERUN_TOL = 1e-9  # float64 vs float64, only BLAS blocking differs between runs
+F16_ABS_TOL, F16_RMS_TOL = 0.03, 2e-3  # default (float16) storage; see the module docstring
+
+
+def load_reference(kv_round: str | None) -> dict[str, np.ndarray]:
+    with np.load(reference_file(kv_round)) as z:
+        return {k: z[k] for k in z.files}
 
 
 @pytest.fixture(scope="module")
 def ref() -> dict[str, np.ndarray]:
-    with np.load(DEFAULT_OUT) as z:
-        return {k: z[k] for k in z.files}
+    return load_reference(None)
+
+
+@pytest.fixture(scope="module")
+def ref16() -> dict[str, np.ndarray]:
+    return load_reference("float16")
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +89,13 @@ def model(model_path):
 
 @pytest.fixture(scope="module")
 def engine_logits(model, ref) -> np.ndarray:
+    """K/V stored as float32: the check against the float64 reference at REL_TOL."""
+    return model.logits(ref["ids"].astype(np.int64), storage_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def default_logits(model, ref) -> np.ndarray:
+    """The default K/V storage (float16)."""
     return model.logits(ref["ids"].astype(np.int64))
 
 
@@ -94,8 +127,28 @@ def check_against_reference(logits: np.ndarray, ref: dict) -> dict[str, float]:
     return worst
 
 
-def test_reference_file_is_compact_and_covers_1024_positions(ref):
-    assert DEFAULT_OUT.stat().st_size < 2_000_000
+def stored_entry_errors(logits: np.ndarray, ref: dict) -> np.ndarray:
+    """Absolute errors |e - r| at every stored entry (top and sample ids), flattened."""
+    return np.concatenate([
+        (entry_errors(logits, ref, w) * np.maximum(1.0, np.abs(ref[f"{w}_logits"]))).ravel()
+        for w in ("top", "sample")])
+
+
+def check_float16(logits: np.ndarray, ref16: dict) -> tuple[float, float]:
+    """max and RMS |e - r| against the float16-rounded reference, within the F16 bounds."""
+    err = stored_entry_errors(logits, ref16)
+    worst, rms = float(err.max()), float(np.sqrt(np.mean(err * err)))
+    print(f"\n[reference float16] max |e - r| {worst:.3e}, rms {rms:.3e}")
+    assert worst <= F16_ABS_TOL and rms <= F16_RMS_TOL, (worst, rms)
+    assert np.array_equal(logits.argmax(axis=1), ref16["argmax"])
+    return worst, rms
+
+
+@pytest.mark.parametrize("kv_round", [None, "float16"])
+def test_reference_file_is_compact_and_covers_1024_positions(kv_round):
+    ref = load_reference(kv_round)
+    assert reference_file(kv_round).stat().st_size < 2_000_000
+    assert str(ref.get("kv_round", "none")) == (kv_round or "none")
     n = len(ref["ids"])
     assert n >= 1024
     assert ref["top_logits"].dtype == np.float64 and ref["top_logits"].shape == (n, 64)
@@ -106,9 +159,19 @@ def test_engine_matches_reference(engine_logits, ref):
     check_against_reference(engine_logits, ref)
 
 
+def test_default_storage_matches_float16_reference(default_logits, engine_logits, ref, ref16):
+    assert np.array_equal(ref16["ids"], ref["ids"])
+    assert str(ref16["model_sha256"]) == str(ref["model_sha256"])  # made for the same file
+    check_float16(default_logits, ref16)
+    # the bounds tell rounding as stored from no rounding, on either side
+    for unrounded, reference in ((engine_logits, ref16), (default_logits, ref)):
+        err = stored_entry_errors(unrounded, reference)
+        assert np.sqrt(np.mean(err * err)) > F16_RMS_TOL
+
+
 def test_budgeted_engine_matches_reference_and_unbudgeted(model, engine_logits, ref, tmp_path):
     got = model.logits(ref["ids"].astype(np.int64), kv_budget="512KiB", cache_dir=tmp_path,
-                       chunk_tokens=100)
+                       chunk_tokens=100, storage_dtype="float32")
     assert model.last_telemetry["pages_regenerated"] > 0  # the budget really bit
     assert np.array_equal(got, engine_logits)
     check_against_reference(got, ref)
@@ -121,10 +184,12 @@ def test_tolerance_catches_a_small_model_change(engine_logits, ref):
         check_against_reference(bumped, ref)
 
 
-def test_committed_reference_matches_the_script(model_path, ref):
+@pytest.mark.parametrize("kv_round", [None, "float16"])
+def test_committed_reference_matches_the_script(model_path, kv_round):
     """Re-run the float64 reference on the first PREFIX positions: the file has not rotted."""
+    ref = load_reference(kv_round)
     ids = ref["ids"][:PREFIX].tolist()
-    logits = reference_logits(GGUFReader(model_path), ids)  # (PREFIX, vocab) float64
+    logits = reference_logits(GGUFReader(model_path), ids, kv_round=kv_round)  # (PREFIX, vocab)
     for which in ("top", "sample"):
         stored_ids = ref[f"{which}_ids"][:PREFIX].astype(np.int64)
         np.testing.assert_allclose(np.take_along_axis(logits, stored_ids, axis=1),

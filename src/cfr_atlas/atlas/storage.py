@@ -46,6 +46,12 @@ class StorageDtype(enum.Enum):
 
 _CODES = {StorageDtype.FLOAT32: 0, StorageDtype.FLOAT16: 1, StorageDtype.BFLOAT16: 2}
 
+# The K/V storage of every user-facing sequence (Session, Model, CLI, server) unless asked
+# otherwise: half the bytes of float32, and 8x closer to float32 logits than bfloat16 on the
+# bundled model (docs/CONFORMANCE.md). `AtlasConfig`, the low-level runtime config, keeps
+# float32 as its own default; its callers in the package always pass a dtype.
+DEFAULT_STORAGE_DTYPE = StorageDtype.FLOAT16.value
+
 
 def round_rows(rows: np.ndarray, dtype: StorageDtype, out: np.ndarray | None = None) -> np.ndarray:
     """rows: (..., D) float32 -> same shape in `dtype.array_dtype`, rounded to nearest even."""

@@ -69,7 +69,8 @@ class LlamaConfig:
     def group(self) -> int:
         return self.n_heads // self.n_kv_heads
 
-    def kv_bytes_per_token(self, itemsize: int = 4) -> int:
+    def kv_bytes_per_token(self, itemsize: int = 2) -> int:
+        """K + V bytes one token adds across all layers (2 = float16, the default storage)."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * itemsize
 
     @classmethod

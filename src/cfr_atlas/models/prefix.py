@@ -61,6 +61,12 @@ class PrefixTier:
             self.disk.close()
 
 
+def held_bytes(blocks) -> int:
+    """Array bytes a session holds for mapped blocks (K + V rows, token ids): what it charges
+    to its budget and reports as `prefix_blocks`."""
+    return sum(b.k.nbytes + b.v.nbytes + b.token_ids.nbytes for b in blocks)
+
+
 class BlockSource:
     """KvRegenerator: pages of the mapped prefix from their blocks, other pages from `rest`."""
 
@@ -89,8 +95,7 @@ class BlockSource:
         self.rest.record_block(layer, pos0, k_st, v_st)
 
     def allocations(self) -> dict[str, int]:
-        held = sum(b.k.nbytes + b.v.nbytes + b.token_ids.nbytes for b in self.blocks)
-        return {**self.rest.allocations(), "prefix_blocks": held}
+        return {**self.rest.allocations(), "prefix_blocks": held_bytes(self.blocks)}
 
     def close(self) -> None:
         close = getattr(self.rest, "close", None)

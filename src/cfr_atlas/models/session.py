@@ -8,7 +8,9 @@ gets the rest and is allocated once). The rest of the K/V comes back from the re
 ("spill": the sequence's page file, written as rows are computed). Both run the same fold in
 the same page order, so logits are bitwise equal. `allocations()` measures what is held, by
 category, from the arrays themselves. A budget is bytes ("16MiB") or a share of the full K/V
-at `context_limit` ("10%"), made bytes in one place, `resolve_kv_budget`.
+at `context_limit` ("10%"), made bytes in one place, `resolve_kv_budget`. K/V rows are stored
+as `storage_dtype`, float16 unless asked otherwise (`DEFAULT_STORAGE_DTYPE`; "float32" and
+"bfloat16" are the others).
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ import numpy as np
 
 from cfr_atlas.atlas import Atlas, AtlasConfig, KeepAll, KeepRecent, PageKey, widen
 from cfr_atlas.atlas.pages import page_count
+from cfr_atlas.atlas.storage import DEFAULT_STORAGE_DTYPE
 from cfr_atlas.errors import ConfigError, RegeneratorError
 from cfr_atlas.kv import SpillKv
-from cfr_atlas.models.prefix import BlockBuilder, BlockSource, check_salt, salted_root
+from cfr_atlas.models.prefix import BlockBuilder, BlockSource, check_salt, held_bytes, salted_root
 from cfr_atlas.models.recompute import RecomputeKv
 
 UNBOUNDED = 1 << 40
-DEFAULT_STORAGE_DTYPE = "float32"  # K/V storage dtype of a Session unless told otherwise
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10,
           "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "K": 1 << 10, "M": 1 << 20,
           "G": 1 << 30, "T": 1 << 40}
@@ -204,10 +206,10 @@ class Session:
         usable = (len(ids) - 1) // B * B
         blocks = self.prefix.lookup(self._builder.root, ids[:usable]) if usable else []
         if blocks and self.backend.keeps_mapped_blocks:
-            blocks = blocks[:(self.budget - self.reserved_bytes) // blocks[0].nbytes]
+            blocks = blocks[:(self.budget - self.reserved_bytes) // held_bytes(blocks[:1])]
             if blocks:
                 self.atlas = None  # the empty pool goes before the smaller one is made
-                self.atlas = self._new_atlas(sum(b.nbytes for b in blocks))
+                self.atlas = self._new_atlas(held_bytes(blocks))
                 self.backend = BlockSource(blocks, self.backend)
         if not blocks:
             return 0
