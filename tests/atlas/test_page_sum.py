@@ -75,3 +75,21 @@ def test_zeroed_swapped_and_foreign_pages_are_caught(dtype):
     assert int(page_checksum(k_dims, v)) != good
     other_k, other_v, _, _ = _page(rng, dtype, 64, 256, 256)  # another page's bytes
     assert int(page_checksum(other_k, other_v)) != good
+
+
+def test_float16_widening_without_f16c_is_exact_for_every_pattern():
+    """The software path (CPUs without F16C) against NumPy, all 65,536 bit patterns."""
+    from numba import njit
+
+    from cfr_atlas.atlas.storage import _f16_soft
+
+    @njit
+    def soft(bits, out):
+        for i in range(bits.size):
+            out[i] = _f16_soft(bits[i])
+
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    out = np.empty(bits.size, dtype=np.float32)
+    soft(bits, out)
+    assert np.array_equal(out.view(np.uint32), bits.view(np.float16).astype(np.float32)
+                          .view(np.uint32))

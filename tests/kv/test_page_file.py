@@ -100,3 +100,19 @@ def test_file_is_sparse_until_written_and_removed_on_close(tmp_path):
     assert s.path.stat().st_blocks * 512 >= 3 * 2 * 256 * 64 * 2  # one page per head, K and V
     s.close()
     assert not s.path.exists()
+
+
+def test_heads_in_any_order_map_their_own_pages_and_outsiders_are_refused(spill):
+    rng = np.random.default_rng(4)
+    k, v = _rows(rng, 6)
+    spill.record(0, 0, None, k, v)
+    lens = np.array([4, 2])
+    need = np.ones((2, 2), dtype=bool)
+    forward = spill.map_pages(0, np.array([0, 1]), 0, lens, need)
+    swapped = spill.map_pages(0, np.array([1, 0]), 0, lens, need)
+    assert np.array_equal(swapped.slot, forward.slot[::-1])
+    assert np.array_equal(swapped.expect, forward.expect[::-1])
+    with pytest.raises(CorruptPageError, match="outside"):
+        spill.map_pages(0, np.array([0, H]), 0, lens, need)
+    with pytest.raises(CorruptPageError, match="outside"):
+        _read(spill, L, 0, 0, 4)

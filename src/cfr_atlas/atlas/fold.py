@@ -25,8 +25,8 @@ cache (SRC_HOT), regeneration scratch (SRC_SCRATCH), and a regenerator's memory-
 (SRC_MAP, e.g. the page file in the OS page cache, read in place). A mapped page is verified in
 the same kernel: the work item that reads it last computes its checksum (page_sum.py) right
 after folding it, from L1/L2, and flags a mismatch in `bad`; the caller raises before the
-result is used. 16-bit elements are
-read directly (`to_f32`), never widened into a copy of the page.
+result is used. 16-bit elements are read directly (`to_f32`), never widened into a copy of
+the page.
 
 Each numba kernel has a NumPy twin (`fold_pages_numpy`, `merge_partitions_numpy`) with the same
 signature, used by the tests. This module holds no cache or policy logic.

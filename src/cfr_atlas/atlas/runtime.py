@@ -133,6 +133,7 @@ class Atlas:
         self._stage_v = np.zeros((P, D), dtype=np.float32)
         self._no_map = (np.zeros((0, D, P), dtype=dt), np.zeros((0, P, D), dtype=dt))
         self._fmt = format_of(config.dtype)
+        self._scratch_used = False
         self._tick = 0
         self._total = Counters()
         self._last = Counters()
@@ -200,6 +201,7 @@ class Atlas:
 
         self._tick += 1
         self._last = Counters(calls=1)
+        self._scratch_used = False
         self.cache.begin()
         try:
             result = self._fold_all(backend, layer, heads, q, context, policy, float(scale), cap,
@@ -209,7 +211,7 @@ class Atlas:
             self._wipe_scratch()
             raise
         self.cache.commit()
-        if cfg.wipe_scratch_after_use and self._last.regenerations:
+        if cfg.wipe_scratch_after_use and self._scratch_used:
             self._wipe_scratch()
         self._total.add(self._last)
         return result
@@ -225,21 +227,13 @@ class Atlas:
         cfg = self.config
         layer = _check_index("layer", layer, 1 << 20)
         start = _check_index("start_token", start_token)
-        for name, rows in (("k_rows", k_rows), ("v_rows", v_rows)):
-            if not isinstance(rows, np.ndarray) or rows.ndim != 3 or rows.shape[2] != cfg.head_dim \
-                    or rows.shape != k_rows.shape:
-                raise DimensionError(f"{name} must be (tokens, heads, {cfg.head_dim}) like k_rows, "
-                                     f"got {getattr(rows, 'shape', None)}")
-            if not np.isfinite(rows).all():
-                raise NumericError(f"{name} for tokens from {start} are not finite")
+        self.check_rows(start, k_rows, v_rows)
         heads = list(range(k_rows.shape[1])) if kv_heads is None else [
             _check_index("kv_head", h, 1 << 16) for h in kv_heads]
         if len(heads) != k_rows.shape[1]:
             raise DimensionError(f"kv_heads names {len(heads)} heads but the rows hold "
                                  f"{k_rows.shape[1]}")
         k_st, v_st = round_rows(k_rows, cfg.dtype), round_rows(v_rows, cfg.dtype)
-        if _overflows(k_st, cfg.dtype) or _overflows(v_st, cfg.dtype):
-            raise NumericError(f"rows for tokens from {start} overflow {cfg.storage_dtype}")
         policy = KeepAll() if policy is None else policy
         context = start + k_rows.shape[0]
         self._tick += 1
@@ -257,6 +251,20 @@ class Atlas:
         self.cache.commit()
         self._total.add(self._last)
         return k_st, v_st
+
+    def check_rows(self, start: int, k_rows: np.ndarray, v_rows: np.ndarray) -> None:
+        """Rows (T, H, D) f32 that may be stored: shapes, finite, and finite once rounded to
+        the storage dtype (callers writing elsewhere first, like a page file, check here)."""
+        cfg = self.config
+        for name, rows in (("k_rows", k_rows), ("v_rows", v_rows)):
+            if not isinstance(rows, np.ndarray) or rows.ndim != 3 or rows.shape[2] != cfg.head_dim \
+                    or rows.shape != k_rows.shape:
+                raise DimensionError(f"{name} must be (tokens, heads, {cfg.head_dim}) like k_rows, "
+                                     f"got {getattr(rows, 'shape', None)}")
+            if not np.isfinite(rows).all():
+                raise NumericError(f"{name} for tokens from {start} are not finite")
+            if _overflows(round_rows(rows, cfg.dtype), cfg.dtype):
+                raise NumericError(f"rows for tokens from {start} overflow {cfg.storage_dtype}")
 
     def _append_in_place(self, layer, heads, start, k_st, v_st) -> bool:
         """The decode fast path (see `HotCache.append`); False when it does not apply."""
@@ -365,7 +373,7 @@ class Atlas:
         # the walk reads hot pages from their slots: none is reused before it was folded
         self.cache.protect(slots, hot)
 
-        src = (~hot).astype(np.int64)  # SRC_HOT or, for now, SRC_SCRATCH
+        src = np.where(hot, fold.SRC_HOT, fold.SRC_SCRATCH).astype(np.int64)
         n_pg = len(pages)
         maps = self._map_misses(backend, layer, hidx, lo, lens, hot, src, slots)
         # The walk, head-major then page: hot pages fold from their slab slot, mapped pages in
@@ -409,7 +417,7 @@ class Atlas:
 
     def _map_misses(self, backend, layer, hidx, lo, lens, hot, src, slots):
         """Point the misses the backend holds mapped at its slabs (src SRC_MAP); None if it
-        maps nothing. A page it should hold but lacks is a CorruptPageError."""
+        maps nothing. Pages it lacks stay SRC_SCRATCH (regenerate_page then says why)."""
         map_pages = getattr(backend, "map_pages", None)
         if map_pages is None or hot.all():
             return None
@@ -446,6 +454,7 @@ class Atlas:
 
     def _regenerate(self, backend, key: PageKey, n: int, slot: int, policy, context: int) -> None:
         cfg, c = self.config, self._last
+        self._scratch_used = True
         t0 = time.perf_counter()
         try:
             k_out, v_out = self._call_regenerator(backend, key, n)

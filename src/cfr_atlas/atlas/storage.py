@@ -19,7 +19,7 @@ import enum
 import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import config, njit, types
 from numba.extending import intrinsic, overload
 
 
@@ -81,7 +81,10 @@ def widen(stored: np.ndarray, dtype: StorageDtype) -> np.ndarray:
 
 
 _TWO_POW_112 = np.float32(2.0**112)  # rebias: float16 exponent bias 15 -> float32 bias 127
-HAS_F16C = "+f16c" in llvm.get_host_cpu_features().flatten().split(",")
+# numba compiles for the host unless NUMBA_CPU_NAME / NUMBA_CPU_FEATURES say otherwise
+_TARGET_FEATURES = (config.CPU_FEATURES if config.CPU_NAME else
+                    llvm.get_host_cpu_features().flatten())
+HAS_F16C = "+f16c" in (_TARGET_FEATURES or "").split(",")
 
 
 @intrinsic
@@ -101,6 +104,14 @@ def bf16_to_f32(typingctx, bits):
     return types.float32(types.uint16), codegen
 
 
+@intrinsic
+def _u32_as_f32(typingctx, bits):
+    """uint32 bits -> the float32 with those bits."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
 @njit(cache=True, inline="always")
 def _f16_soft(h):
     """The same conversion without F16C, from the bits (exact for normals and subnormals:
@@ -109,9 +120,9 @@ def _f16_soft(h):
     sign = (h & np.uint32(0x8000)) << np.uint32(16)
     em = h & np.uint32(0x7FFF)
     if em >= 0x7C00:  # inf / nan keep their payload
-        b = sign | np.uint32(0x7F800000) | ((em & np.uint32(0x3FF)) << np.uint32(13))
-        return np.array([b], dtype=np.uint32).view(np.float32)[0]
-    mag = np.array([em << np.uint32(13)], dtype=np.uint32).view(np.float32)[0] * _TWO_POW_112
+        return _u32_as_f32(np.uint32(sign | np.uint32(0x7F800000)
+                                     | ((em & np.uint32(0x3FF)) << np.uint32(13))))
+    mag = _u32_as_f32(np.uint32(em << np.uint32(13))) * _TWO_POW_112
     return -mag if sign else mag
 
 

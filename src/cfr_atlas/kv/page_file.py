@@ -22,7 +22,13 @@ Mapped pages are not this sequence's allocation: the kernel keeps them in its pa
 reclaims them under memory pressure (they show as file-backed RSS, `RssFile`). Outside the
 guarantee, by its size: a file truncated by another process in the microseconds between the
 size check of a fold and its reads ends this process with SIGBUS (the mapping has no pages to
-read); the file is 0600 in a 0700 folder, so only the same user can do it.
+read); the file is 0600 in a 0700 folder, so only the same user can do it. Likewise, bytes
+changed in the file while a fold is running are caught only if they change before the fold's
+check of that page (it checksums each page right after folding it, from cache): damage before
+a read is always caught, a concurrent rewrite during one fold may not be. On a tmpfs cache
+folder (often /tmp) the pages are shared memory: counted as RssShmem, charged to the memory
+cgroup and reclaimable only to swap; give `cache_dir` a disk-backed folder for out-of-core.
+Linux only (posix_fallocate, shared mmap); elsewhere use recompute or no budget.
 
 The file is created 0600 in a folder created 0700, and its sequence holds an exclusive lock on
 it (file_lock.py) until `close()` removes it; `clean_stale()` removes only page files whose
@@ -74,6 +80,18 @@ def clean_stale(folder: Path) -> int:
     return removed
 
 
+def _advise(fd: int, ranges: list[tuple[int, int]]) -> None:
+    """Ask the kernel to start reading `ranges` of the file (POSIX_FADV_WILLNEED returns at
+    once and releases the GIL). Cheap when the pages are cached already; it keeps the disk
+    busy when they are not. A hint only: the fold reads the pages either way. It holds no
+    reference to the SpillKv, so a dropped sequence is never closed from this thread."""
+    for offset, length in ranges:
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            return  # e.g. the file was closed meanwhile
+
+
 @njit(cache=True, nogil=True)
 def _write_rows(k_map, v_map, tokens, sums, slot0, pos0, k_st, v_st):
     """Store rows k_st, v_st (T, n_kv, D) of tokens pos0.. : K^T columns and V rows of each
@@ -118,6 +136,11 @@ class SpillKv:
         self.page_bytes = page_tokens * head_dim * dtype.itemsize  # one of K or V
         self.file_bytes = HDR_BYTES + 2 * n_slots * self.page_bytes
         self.fd = -1
+        if not (hasattr(os, "posix_fallocate") and hasattr(mmap, "MAP_SHARED")):
+            raise CapacityError("the spill page file needs Linux (posix_fallocate, shared "
+                                "mmap); on this system use regenerator='recompute' or no "
+                                "kv_budget")
+        model_tag = bytes.fromhex(model_id)[:16].ljust(16, b"\0")  # ValueError: not hex
         try:
             self.folder.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
             clean_stale(self.folder)
@@ -126,8 +149,7 @@ class SpillKv:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE)
             hold_lock(self.fd)  # before the header: clean-up spares young empty files
             header = _FILE_HDR.pack(MAGIC, VERSION, page_tokens, head_dim, dtype.itemsize,
-                                    n_layers, n_kv_heads, self.n_pages, self.seq_id,
-                                    bytes.fromhex(model_id)[:16].ljust(16, b"\0"))
+                                    n_layers, n_kv_heads, self.n_pages, self.seq_id, model_tag)
             self._pwrite(header.ljust(HDR_BYTES, b"\0"), 0)
             os.ftruncate(self.fd, self.file_bytes)  # sparse: no blocks until rows arrive
             self._mm = mmap.mmap(self.fd, self.file_bytes, flags=mmap.MAP_SHARED)
@@ -152,15 +174,13 @@ class SpillKv:
         self._tokens3, self._sums3 = self.tokens.reshape(grid), self.sums.reshape(grid)
         self._slots3 = np.arange(n_slots, dtype=np.int64).reshape(grid)
         self._reserved = [0] * n_layers  # pages of every head of a layer with disk blocks
+        self._all_heads = np.arange(n_kv_heads, dtype=np.int64)
         self._row_bytes = 2 * head_dim * dtype.itemsize  # one token's K + V row
         self.bytes_written = 0
         self.bytes_read = 0  # by `regenerate_page` (copies); the fold's reads are the Atlas's
         # read-ahead: while layer L folds, the kernel is asked to read layer L+1's pages
         self._ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-ahead")
-
-    def _slot0(self, layer: int) -> np.ndarray:
-        """First slot of each head's pages in `layer`: (n_kv,) int64."""
-        return self._slots3[layer, :, 0]
+        self._ahead_job: concurrent.futures.Future | None = None
 
     # --- the regenerator's side of the session (shared with RecomputeKv, BlockSource) ---------
     def record(self, layer: int, pos0: int, x, k: np.ndarray, v: np.ndarray) -> None:
@@ -196,7 +216,7 @@ class SpillKv:
         return {}
 
     def table_bytes(self) -> int:
-        return self.tokens.nbytes + self.sums.nbytes + self._slots3.nbytes
+        return self.tokens.nbytes + self.sums.nbytes + self._slots3.nbytes + self._all_heads.nbytes
 
     def _reserve(self, layer: int, pages: int) -> None:
         """Allocate disk blocks for the first `pages` pages of every head of `layer` (ENOSPC
@@ -237,9 +257,16 @@ class SpillKv:
         """Pages lo.. of `heads` (lens[i] rows each) where `need` (H, NP) is set, readable in
         place from the mapping; pages not held with exactly those rows are `missing`."""
         self._check_file()
-        self._ahead.submit(self._advise, (layer + 1) % self.n_layers)
+        if self._ahead_job is None or self._ahead_job.done():  # at most one hint in flight
+            self._ahead_job = self._ahead.submit(_advise, self.fd,
+                                                 self._ranges((layer + 1) % self.n_layers))
         hi = lo + len(lens)
-        if len(heads) == self.n_kv_heads:  # every head, in order: views, no gathers
+        if not (0 <= layer < self.n_layers and len(heads) and 0 <= heads.min()
+                and heads.max() < self.n_kv_heads and hi <= self.n_pages):
+            raise CorruptPageError(f"layer {layer}, heads {heads.tolist()}, pages {lo}..{hi - 1} "
+                                   f"are outside this page file ({self.n_layers} layers, "
+                                   f"{self.n_kv_heads} K/V heads, {self.n_pages} pages)")
+        if np.array_equal(heads, self._all_heads):  # every head, in order: views, no gathers
             slot, tokens = self._slots3[layer, :, lo:hi], self._tokens3[layer, :, lo:hi]
             sums = self._sums3[layer, :, lo:hi]
         else:
@@ -249,35 +276,30 @@ class SpillKv:
 
     def regenerate_page(self, key: PageKey, tokens: range, k_out: np.ndarray,
                         v_out: np.ndarray) -> None:
-        """Rows (n, D) float32 of one page, verified, from the mapping (a copy)."""
-        n = len(tokens)
+        """Rows (n, D) float32 of one page from the mapping: copied first, then the copy is
+        verified (what is returned is what was checked)."""
+        n, page = len(tokens), key.start_token // self.page_tokens
         self._check_file()
-        s = int(self._slot0(key.layer)[key.kv_head]) + key.start_token // self.page_tokens \
-            if key.kv_head < self.n_kv_heads and key.layer < self.n_layers else -1
-        if s < 0 or key.start_token // self.page_tokens >= self.n_pages \
-                or self.tokens[s] != n:
-            raise CorruptPageError(f"{key}: page file holds "
-                                   f"{self.tokens[s] if s >= 0 else 0} rows, {n} requested")
-        if page_checksum(self._k[s], self._v[s]) != self.sums[s]:
+        if not (0 <= key.layer < self.n_layers and 0 <= key.kv_head < self.n_kv_heads
+                and 0 <= page < self.n_pages):
+            raise CorruptPageError(f"{key}: outside this page file ({self.n_layers} layers, "
+                                   f"{self.n_kv_heads} K/V heads, {self.n_pages} pages)")
+        s = int(self._slots3[key.layer, key.kv_head, page])
+        if self.tokens[s] != n:
+            raise CorruptPageError(f"{key}: page file holds {self.tokens[s]} rows, {n} requested")
+        k_page, v_page = self._k[s].copy(), self._v[s].copy()
+        if page_checksum(k_page, v_page) != self.sums[s]:
             raise CorruptPageError(f"{key}: checksum mismatch in {self.path}")
-        k_out[...] = widen(np.ascontiguousarray(self._k[s, :, :n].T), self.dtype)
-        v_out[...] = widen(self._v[s, :n], self.dtype)
+        k_out[...] = widen(np.ascontiguousarray(k_page[:, :n].T), self.dtype)
+        v_out[...] = widen(v_page[:n], self.dtype)
         self.bytes_read += 2 * n * self.head_dim * self.dtype.itemsize
 
-    def _advise(self, layer: int) -> None:
-        """Ask the kernel to start reading `layer`'s written pages (per head, one range in each
-        slab; POSIX_FADV_WILLNEED returns at once and releases the GIL). Cheap when the pages
-        are cached already; it is what keeps the disk busy when they are not."""
+    def _ranges(self, layer: int) -> list[tuple[int, int]]:
+        """(offset, length) of `layer`'s written pages: per head, one range in each slab."""
         pages = self._reserved[layer]
-        if not pages or self.fd < 0:
-            return
-        for s in self._slots3[layer, :, 0].tolist():
-            for slab in (0, len(self.tokens)):
-                try:
-                    os.posix_fadvise(self.fd, HDR_BYTES + (slab + s) * self.page_bytes,
-                                     pages * self.page_bytes, os.POSIX_FADV_WILLNEED)
-                except OSError:
-                    return  # a hint only: the fold reads the pages either way
+        return [(HDR_BYTES + (slab + s) * self.page_bytes, pages * self.page_bytes)
+                for s in self._slots3[layer, :, 0].tolist() for slab in (0, len(self.tokens))
+                if pages]
 
     # --- out of core -------------------------------------------------------------------------
     def evict_page_cache(self) -> None:

@@ -242,6 +242,7 @@ class Session:
     def store_kv(self, layer: int, pos0: int, x: np.ndarray, k: np.ndarray, v: np.ndarray):
         """Rows k, v (T, n_kv, hd) f32 of tokens pos0.. : the regenerator's copy first (so a full
         disk fails before the hot cache changes), then the hot cache as the policy allows."""
+        self.atlas.check_rows(pos0, k, v)  # nothing non-finite reaches the page file either
         self.backend.record(layer, pos0, x, k, v)
         self.atlas.write_rows(layer, pos0, k, v, self.policy)
 
@@ -251,8 +252,7 @@ class Session:
 
     # --- memory ------------------------------------------------------------------------------
     def allocations(self) -> dict[str, int]:
-        """Bytes held now for this sequence's K/V, by category, from the arrays' nbytes (and
-        the page-file reads in flight)."""
+        """Bytes held now for this sequence's K/V, by category, from the arrays' nbytes."""
         out = {**self.atlas.allocations(), "recompute_inputs": 0, "prefix_blocks": 0}
         out.update(self.backend.allocations())  # the regenerator reports its own arrays
         return out
