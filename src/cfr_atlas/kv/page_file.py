@@ -39,7 +39,6 @@ This module does not decide what is resident; the Atlas does.
 
 from __future__ import annotations
 
-import concurrent.futures
 import mmap
 import os
 import struct
@@ -81,10 +80,11 @@ def clean_stale(folder: Path) -> int:
 
 
 def _advise(fd: int, ranges: list[tuple[int, int]]) -> None:
-    """Ask the kernel to start reading `ranges` of the file (POSIX_FADV_WILLNEED returns at
-    once and releases the GIL). Cheap when the pages are cached already; it keeps the disk
-    busy when they are not. A hint only: the fold reads the pages either way. It holds no
-    reference to the SpillKv, so a dropped sequence is never closed from this thread."""
+    """Ask the kernel to start reading `ranges` of the file (POSIX_FADV_WILLNEED submits the
+    reads and returns; a few microseconds when the pages are cached already). A hint only:
+    the fold reads the pages either way. Called for layer l + 1 as layer l is mapped, so the
+    disk reads the next layer while this one folds. (A thread for it cost more: measured,
+    handing each hint to a worker thread took ~400 us of the main thread per layer.)"""
     for offset, length in ranges:
         try:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
@@ -175,12 +175,12 @@ class SpillKv:
         self._slots3 = np.arange(n_slots, dtype=np.int64).reshape(grid)
         self._reserved = [0] * n_layers  # pages of every head of a layer with disk blocks
         self._all_heads = np.arange(n_kv_heads, dtype=np.int64)
+        self._all_heads_bytes = self._all_heads.tobytes()
+        self._ahead: dict[int, tuple[int, list]] = {}  # layer -> (pages, read-ahead ranges)
         self._row_bytes = 2 * head_dim * dtype.itemsize  # one token's K + V row
         self.bytes_written = 0
         self.bytes_read = 0  # by `regenerate_page` (copies); the fold's reads are the Atlas's
-        # read-ahead: while layer L folds, the kernel is asked to read layer L+1's pages
-        self._ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-ahead")
-        self._ahead_job: concurrent.futures.Future | None = None
+
 
     # --- the regenerator's side of the session (shared with RecomputeKv, BlockSource) ---------
     def record(self, layer: int, pos0: int, x, k: np.ndarray, v: np.ndarray) -> None:
@@ -257,16 +257,15 @@ class SpillKv:
         """Pages lo.. of `heads` (lens[i] rows each) where `need` (H, NP) is set, readable in
         place from the mapping; pages not held with exactly those rows are `missing`."""
         self._check_file()
-        if self._ahead_job is None or self._ahead_job.done():  # at most one hint in flight
-            self._ahead_job = self._ahead.submit(_advise, self.fd,
-                                                 self._ranges((layer + 1) % self.n_layers))
+        _advise(self.fd, self._ranges((layer + 1) % self.n_layers))  # the next layer's pages
         hi = lo + len(lens)
-        if not (0 <= layer < self.n_layers and len(heads) and 0 <= heads.min()
-                and heads.max() < self.n_kv_heads and hi <= self.n_pages):
+        every = heads.tobytes() == self._all_heads_bytes  # every head, in order
+        if not (0 <= layer < self.n_layers and hi <= self.n_pages and (every or (
+                len(heads) and 0 <= heads.min() and heads.max() < self.n_kv_heads))):
             raise CorruptPageError(f"layer {layer}, heads {heads.tolist()}, pages {lo}..{hi - 1} "
                                    f"are outside this page file ({self.n_layers} layers, "
                                    f"{self.n_kv_heads} K/V heads, {self.n_pages} pages)")
-        if np.array_equal(heads, self._all_heads):  # every head, in order: views, no gathers
+        if every:  # views, no gathers
             slot, tokens = self._slots3[layer, :, lo:hi], self._tokens3[layer, :, lo:hi]
             sums = self._sums3[layer, :, lo:hi]
         else:
@@ -295,11 +294,16 @@ class SpillKv:
         self.bytes_read += 2 * n * self.head_dim * self.dtype.itemsize
 
     def _ranges(self, layer: int) -> list[tuple[int, int]]:
-        """(offset, length) of `layer`'s written pages: per head, one range in each slab."""
+        """(offset, length) of `layer`'s written pages: per head, one range in each slab
+        (kept until the layer gains a page)."""
         pages = self._reserved[layer]
-        return [(HDR_BYTES + (slab + s) * self.page_bytes, pages * self.page_bytes)
+        cached = self._ahead.get(layer)
+        if cached is None or cached[0] != pages:
+            cached = self._ahead[layer] = (pages, [
+                (HDR_BYTES + (slab + s) * self.page_bytes, pages * self.page_bytes)
                 for s in self._slots3[layer, :, 0].tolist() for slab in (0, len(self.tokens))
-                if pages]
+                if pages])
+        return cached[1]
 
     # --- out of core -------------------------------------------------------------------------
     def evict_page_cache(self) -> None:
@@ -311,9 +315,6 @@ class SpillKv:
 
     def close(self) -> None:
         """Unmap (once nothing reads the mapping), remove the file, release the lock."""
-        ahead = getattr(self, "_ahead", None)
-        if ahead is not None:
-            ahead.shutdown(wait=True)
         self._k = self._v = None
         mm, self._mm = getattr(self, "_mm", None), None
         if mm is not None:
