@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from quant_data import BLOCK_FORMATS, assert_bits_equal, edge_raw, quantized
+from quant_data import BLOCK_FORMATS, assert_bits_equal, cols, edge_raw, quantized
 
 from cfr_atlas.quant import QType, QuantWeight
 
-# Block formats at N = 100 (not a whole number of 16-row tiles); floats at K = 72 (padded to 96).
-SHAPES = {qt: (100, 128) if qt in BLOCK_FORMATS else (100, 72) for qt in QType}
+# Block formats at N = 100 (not a whole number of 16-row tiles) and 4 blocks a row; floats at
+# K = 72 (padded to 96).
+SHAPES = {qt: (100, cols(qt, 128)) if qt in BLOCK_FORMATS else (100, 72) for qt in QType}
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +51,9 @@ def test_rows_equal_matvec_and_chunks(weights, qtype, t):
 
 @pytest.mark.parametrize("qtype", list(BLOCK_FORMATS))
 def test_edge_blocks_are_invariant(qtype):
-    w = QuantWeight.from_raw("w", qtype, edge_raw(qtype, 40, 96, seed=6), (40, 96))
-    _check(w, _x(9, 96, seed=7), [1, 4, 5])
+    k = cols(qtype, 96)
+    w = QuantWeight.from_raw("w", qtype, edge_raw(qtype, 40, k, seed=6), (40, k))
+    _check(w, _x(9, k, seed=7), [1, 4, 5])
 
 
 @pytest.mark.parametrize("qtype", list(QType))
@@ -72,7 +74,7 @@ def test_thread_count_and_out_contents_do_not_matter(weights, qtype):
 def _cases(draw):
     qtype = draw(st.sampled_from(list(QType)))
     n = draw(st.integers(1, 70))
-    k = draw(st.sampled_from([32, 64, 96])) if qtype in BLOCK_FORMATS else draw(
+    k = cols(qtype, draw(st.sampled_from([32, 64, 96]))) if qtype in BLOCK_FORMATS else draw(
         st.integers(1, 100))
     t = draw(st.integers(1, 40))
     cuts = sorted(set(draw(st.lists(st.integers(1, t - 1), max_size=5)))) if t > 1 else []

@@ -1,24 +1,33 @@
 """Numba kernels against their NumPy twins (bit for bit) and against float64 (a stated bound).
 
-Error bound. The kernels sum y = sum_k w_k x_k per block of QK = 32 columns as PHASES = 4 chains
-of 8 products, combine the chains pairwise (2 adds), apply the block's scale (and, for Q4_1,
-add m_b times the block sum of x, itself 9 roundings deep), then add the block into a single
-accumulator, block after block. Every term passes through at most
-n = QK / PHASES + 6 + nb float32 roundings, so the standard bound gives
-|y_kernel - y| <= gamma_n * M, gamma_n = n u / (1 - n u), u = 2**-24, with M the sum of the
-absolute values of the terms the kernel adds: sum_k |x_k| (|d_b q_k| + |m_b|) for Q4_1 (its kernel
-splits w = d q + m), sum_k |x_k w_k| otherwise. The float64 reference uses Q4_1's dequantized w,
-rounded once more, so it is allowed one extra u * M.
+Error bound. The kernels sum y = sum_k w_k x_k per block (or sub-block) of QK = 32 or 16 columns
+as PHASES = 4 chains of QK / 4 products, combine the chains pairwise (2 adds), apply the block's
+scale (and, for Q4_1 and the offset sub-block formats, add m_b times the block sum of x, itself
+QK / 4 + 1 roundings deep), then add the block into a single accumulator, block after block.
+Every term passes through at most n = QK / PHASES + 6 + nb float32 roundings, so the standard
+bound gives |y_kernel - y| <= gamma_n * M, gamma_n = n u / (1 - n u), u = 2**-24, with M the sum
+of the absolute values of the terms the kernel adds: sum_k |x_k| (|a_b q_k| + |c_b|) for Q4_1 and
+the sub-block formats (their kernels split w = a q + c), sum_k |x_k w_k| otherwise. The float64
+reference uses the dequantized w, which gguf-py rounds once more for Q4_1, Q5_1, Q2_K, Q4_K, Q5_K
+(at the add) and Q6_K (a q needs 25 bits), so it is allowed one extra u * M.
 """
 
 import numpy as np
 import pytest
-from quant_data import BLOCK_FORMATS, GGML, edge_raw, quantized, reference
+from quant_data import BLOCK_FORMATS, GGML, cols, edge_raw, quantized, reference
 
-from cfr_atlas.quant import BLOCKS, QType, QuantWeight
+from cfr_atlas.quant import BLOCKS, QType, QuantWeight, kquants, q5
 from cfr_atlas.quant.q4_1 import _fields as q4_1_fields
 from cfr_atlas.quant.tiles import PHASES
 from cfr_atlas.quant.weight import CODECS
+
+# Unpackers of the sub-block formats (w = a_s q + c_s), and their sub-block size QK.
+SUBBLOCK_FIELDS = {
+    QType.Q5_0: (q5.q5_0_fields, 32), QType.Q5_1: (q5.q5_1_fields, 32),
+    QType.IQ4_NL: (q5.iq4_nl_fields, 32), QType.Q4_K: (kquants.q4_k_fields, 32),
+    QType.Q5_K: (kquants.q5_k_fields, 32), QType.Q6_K: (kquants.q6_k_fields, 16),
+    QType.Q2_K: (kquants.q2_k_fields, 16), QType.Q3_K: (kquants.q3_k_fields, 16),
+}
 
 U = 2.0**-24
 
@@ -47,9 +56,11 @@ def test_kernel_equals_twin(qtype, shape, t):
 
 @pytest.mark.parametrize("qtype", list(BLOCK_FORMATS))
 def test_kernel_equals_twin_on_edge_blocks(qtype):
-    raw = edge_raw(qtype, 45, 128, seed=4)
-    w = QuantWeight.from_raw("w", qtype, raw, (45, 128))
-    x = _x(6, 128, seed=5) * np.float32(2.0) ** np.arange(-20, 20, 0.3125, dtype=np.float32)
+    k = cols(qtype, 128)
+    raw = edge_raw(qtype, 45, k, seed=4)
+    w = QuantWeight.from_raw("w", qtype, raw, (45, k))
+    x = _x(6, k, seed=5) * np.float32(2.0) ** (np.arange(k, dtype=np.float32)
+                                                * np.float32(40 / k) - np.float32(20))
     x[0, :7] = [0.0, -0.0, 1e-40, -1e-40, 3e-38, 1.0, -1.0]
     kernel, twin = _both(w, x)
     np.testing.assert_array_equal(kernel, twin)  # NaN-free here; equal_nan covers the rest
@@ -82,10 +93,13 @@ def test_infinite_weights(qtype):
 
 def _abs_terms(qtype, raw, x):
     """M of the module docstring: (T, N) float64 sums of |terms| the kernel adds."""
-    if qtype is QType.Q4_1:
-        d, m, q = (a.astype(np.float64) for a in q4_1_fields(raw))
-        dq = np.abs(np.repeat(d, BLOCKS[qtype].elements, axis=1) * q)
-        mm = np.repeat(np.abs(m), BLOCKS[qtype].elements, axis=1)
+    if qtype is QType.Q4_1 or qtype in SUBBLOCK_FIELDS:
+        fields, qk = SUBBLOCK_FIELDS.get(qtype, (q4_1_fields, 32))
+        d, m, q = fields(raw)
+        m = np.zeros_like(d) if m is None else m
+        d, m, q = (a.astype(np.float64) for a in (d, m, q))
+        dq = np.abs(np.repeat(d, qk, axis=1) * q)
+        mm = np.repeat(np.abs(m), qk, axis=1)
         return np.abs(x).astype(np.float64) @ (dq + mm).T
     w = reference(qtype, raw).astype(np.float64)
     return np.abs(x).astype(np.float64) @ np.abs(w).T
@@ -94,13 +108,14 @@ def _abs_terms(qtype, raw, x):
 @pytest.mark.parametrize("qtype", list(QType))
 @pytest.mark.parametrize("shape", [(64, 576), (40, 1536)])
 def test_accuracy_against_float64(qtype, shape):
-    n, k = shape
+    n, k = shape[0], cols(qtype, shape[1])
     raw = quantized(qtype, n, k, seed=7)
-    w = QuantWeight.from_raw("w", qtype, raw, shape)
+    w = QuantWeight.from_raw("w", qtype, raw, (n, k))
     x = _x(3, k, seed=8)
     y = w.matmul(x).astype(np.float64)
     ref = x.astype(np.float64) @ reference(qtype, raw).astype(np.float64).T
-    rounds = 32 // PHASES + 6 + k // 32 + 1
+    qk = SUBBLOCK_FIELDS.get(qtype, (None, 32))[1]
+    rounds = qk // PHASES + 6 + k // qk + 1
     bound = rounds * U / (1 - rounds * U) * _abs_terms(qtype, raw.view(np.uint8), x)
     assert np.all(np.abs(y - ref) <= bound), np.max(np.abs(y - ref) / bound)
     # and the bound is not vacuous: the typical error is far below it

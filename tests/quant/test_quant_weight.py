@@ -3,7 +3,7 @@
 import gguf
 import numpy as np
 import pytest
-from quant_data import GGML, assert_bits_equal, quantized, reference
+from quant_data import GGML, assert_bits_equal, cols, quantized, reference
 
 from cfr_atlas.errors import DimensionError
 from cfr_atlas.quant import QType, QuantWeight
@@ -19,7 +19,7 @@ def test_gguf_file_round_trip(tmp_path):
     """A GGUF stores (N, K) as tensor.shape [K, N] with data (N, row_bytes) or (N, K)."""
     path = tmp_path / "m.gguf"
     writer = gguf.GGUFWriter(path, "llama")
-    raws = {qt: quantized(qt, 40, 64, seed=qt.value) for qt in QType}
+    raws = {qt: quantized(qt, 40, cols(qt, 64), seed=qt.value) for qt in QType}
     for qt, raw in raws.items():
         writer.add_tensor(qt.name, raw, raw_dtype=GGML[qt])
     writer.write_header_to_file()
@@ -27,10 +27,11 @@ def test_gguf_file_round_trip(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     for t in gguf.GGUFReader(path).tensors:
-        assert [int(s) for s in t.shape] == [64, 40]
+        k = cols(QType[t.name], 64)
+        assert [int(s) for s in t.shape] == [k, 40]
         w = QuantWeight.from_gguf(t.name, t.tensor_type, t.data, (int(t.shape[1]),
                                                                   int(t.shape[0])))
-        assert w.shape == (40, 64) and w.qtype is QType[t.name]
+        assert w.shape == (40, k) and w.qtype is QType[t.name]
         assert_bits_equal(w.dequantize(), reference(w.qtype, raws[w.qtype]))
 
 

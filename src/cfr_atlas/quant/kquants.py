@@ -32,7 +32,7 @@ import numpy as np
 
 from cfr_atlas.quant import subblock
 from cfr_atlas.quant.formats import BLOCKS, QType
-from cfr_atlas.quant.subblock import Fields, bit_fields
+from cfr_atlas.quant.subblock import Fields, Offset, bit_fields
 
 QK_K = 256
 F16 = "<f2"
@@ -55,8 +55,7 @@ for _qtype, _dtype in BLOCK_DTYPES.items():
 # sub-block scales a_s = d * sc_s and offsets dmin * m_s are exact. a_s * q is exact too for
 # Q2_K, Q3_K, Q4_K, Q5_K (at most 17 + 5 bits) but not for Q6_K (19 + 6 bits): gguf-py rounds
 # that product once and so does `subblock.values`; the kernels never form it (they multiply a_s
-# by the sub-block's sum of q * x). `w - dm` equals `w + (-dm)` in IEEE arithmetic, so storing
-# c_s = -(dmin * m_s) reproduces gguf-py's subtraction bit for bit.
+# by the sub-block's sum of q * x). The offset c_s = dmin * m_s is subtracted, as gguf-py does.
 
 
 def _planes(b: np.ndarray, group: int, width: int) -> np.ndarray:
@@ -79,9 +78,9 @@ def _scale_min_k4(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _k4_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K super-blocks -> a = d * sc, c = -(dmin * m), each (rows, nb * 8) float32."""
+    """Q4_K/Q5_K super-blocks -> a = d * sc, c = dmin * m, each (rows, nb * 8) float32."""
     sc, m = _scale_min_k4(blocks["scales"])
-    return _scaled(blocks["d"], sc), -_scaled(blocks["dmin"], m)
+    return _scaled(blocks["d"], sc), _scaled(blocks["dmin"], m)
 
 
 def _view(raw: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -108,7 +107,7 @@ def q6_k_fields(raw: np.ndarray) -> Fields:
 def q2_k_fields(raw: np.ndarray) -> Fields:
     blocks = _view(raw, Q2_K_BLOCK)
     sc = blocks["scales"]
-    a, c = _scaled(blocks["d"], sc & 0x0F), -_scaled(blocks["dmin"], sc >> 4)
+    a, c = _scaled(blocks["d"], sc & 0x0F), _scaled(blocks["dmin"], sc >> 4)
     return Fields(a, c, _planes(blocks["qs"], 32, 2).view(np.int8))
 
 
@@ -123,9 +122,9 @@ def q3_k_fields(raw: np.ndarray) -> Fields:
 
 
 CODECS = (
-    subblock.codec(QType.Q4_K, q4_k_fields, 32, offset=True),
-    subblock.codec(QType.Q5_K, q5_k_fields, 32, offset=True),
-    subblock.codec(QType.Q6_K, q6_k_fields, 16, offset=False),
-    subblock.codec(QType.Q2_K, q2_k_fields, 16, offset=True),
-    subblock.codec(QType.Q3_K, q3_k_fields, 16, offset=False),
+    subblock.codec(QType.Q4_K, q4_k_fields, 32, Offset.SUBTRACT),
+    subblock.codec(QType.Q5_K, q5_k_fields, 32, Offset.SUBTRACT),
+    subblock.codec(QType.Q6_K, q6_k_fields, 16, Offset.NONE),
+    subblock.codec(QType.Q2_K, q2_k_fields, 16, Offset.SUBTRACT),
+    subblock.codec(QType.Q3_K, q3_k_fields, 16, Offset.NONE),
 )

@@ -17,7 +17,7 @@ import numpy as np
 
 from cfr_atlas.quant import subblock
 from cfr_atlas.quant.formats import BLOCKS, QType
-from cfr_atlas.quant.subblock import Fields, bit_fields
+from cfr_atlas.quant.subblock import Fields, Offset, bit_fields
 
 QK = 32
 Q5_0_BLOCK = np.dtype([("d", "<f2"), ("qh", "u1", (4,)), ("qs", "u1", (QK // 2,))])
@@ -68,7 +68,7 @@ def iq4_nl_fields(raw: np.ndarray) -> Fields:
 
 
 CODECS = (
-    subblock.codec(QType.Q5_0, q5_0_fields, QK, offset=False),
-    subblock.codec(QType.Q5_1, q5_1_fields, QK, offset=True),
-    subblock.codec(QType.IQ4_NL, iq4_nl_fields, QK, offset=False),
+    subblock.codec(QType.Q5_0, q5_0_fields, QK, Offset.NONE),
+    subblock.codec(QType.Q5_1, q5_1_fields, QK, Offset.ADD),
+    subblock.codec(QType.IQ4_NL, iq4_nl_fields, QK, Offset.NONE),
 )

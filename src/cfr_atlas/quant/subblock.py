@@ -5,8 +5,8 @@ offset c_s) per sub-block s of QK consecutive columns of one row.
 That covers Q5_0, Q5_1 and IQ4_NL (QK = 32, one sub-block per block, q5.py), Q4_K and Q5_K
 (QK = 32, eight per 256-element super-block) and Q2_K, Q3_K, Q6_K (QK = 16, sixteen per
 super-block) (kquants.py). A format module only unpacks its bytes into `Fields`: the per-sub-block
-a_s = d * sc_s (and c_s = -dmin * m_s, or the block's f16 m), computed once at load time exactly
-as gguf-py computes them, and q as int8. Everything after that is here, once.
+a_s = d * sc_s (and c_s = dmin * m_s, subtracted, or the block's f16 m, added), computed once at
+load time exactly as gguf-py computes them, and q as int8. Everything after that is here, once.
 
 Layout (tiles.py): q in row tiles, int8, one byte per weight; a and c in row tiles with one
 column per sub-block, float32. Formats without an offset (Q5_0, Q3_K, Q6_K, IQ4_NL) hold c as
@@ -14,7 +14,8 @@ an empty (n_tiles, 0) array.
 
 Reduction order (tiles.py's contract with QK the sub-block size): per sub-block
 S_s = phase sum of q * x (PHASES chains of QK / PHASES products, then (s0 + s1) + (s2 + s3)),
-X_s = the same phase sum of x alone, term_s = a_s * S_s + c_s * X_s (or a_s * S_s), and
+X_s = the same phase sum of x alone, term_s = a_s * S_s + c_s * X_s (or a_s * S_s; c_s negated
+at load time for the formats that subtract it), and
 acc = acc + term_s over s in column order. QK and the offset are compile-time constants of each
 kernel (closure constants, so each of the four kernels keeps its own numba cache entry).
 
@@ -24,6 +25,7 @@ Not here: any format's byte layout (q5.py, kquants.py), shape checks (weight.py)
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum
 from functools import partial
 from typing import NamedTuple
 
@@ -36,8 +38,16 @@ from cfr_atlas.quant.tiles import PHASES, TILE_ROWS, gather_rows, phase_sum, pha
 R = TILE_ROWS
 
 
+class Offset(Enum):
+    """How a format applies its sub-block offset c: w = a q, w = a q + c or w = a q - c."""
+
+    NONE = 0
+    ADD = 1  # Q5_1: c is the block's f16 m
+    SUBTRACT = 2  # Q2_K, Q4_K, Q5_K: c = dmin * m_s
+
+
 class Fields(NamedTuple):
-    """A format's bytes unpacked: w[:, s * QK + j] = a[:, s] * q[:, s * QK + j] (+ c[:, s])."""
+    """A format's bytes unpacked: w[:, s * QK + j] = a[:, s] * q[:, s * QK + j] (+ or - c[:, s])."""
 
     a: np.ndarray  # (rows, n_sub) float32 sub-block scales
     c: np.ndarray | None  # (rows, n_sub) float32 sub-block offsets, None if the format has none
@@ -47,7 +57,8 @@ class Fields(NamedTuple):
 class Tiles(NamedTuple):
     q: np.ndarray  # (n_tiles, K * TILE_ROWS) int8
     a: np.ndarray  # (n_tiles, K // QK * TILE_ROWS) float32 sub-block scales
-    c: np.ndarray  # (n_tiles, K // QK * TILE_ROWS) float32 offsets, or (n_tiles, 0)
+    c: np.ndarray  # (n_tiles, K // QK * TILE_ROWS) float32 offsets as added (-c for SUBTRACT),
+    #                or (n_tiles, 0) for Offset.NONE
 
 
 def bit_fields(b: np.ndarray, width: int) -> np.ndarray:
@@ -58,34 +69,47 @@ def bit_fields(b: np.ndarray, width: int) -> np.ndarray:
     return (b[..., None, :] >> shifts) & np.uint8((1 << width) - 1)
 
 
-def values(a: np.ndarray, c: np.ndarray | None, q: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """a, c (n, n_sub), q (n, n_sub * QK) -> out (n, n_sub * QK) float32 = (a * q) + c, the two
-    NumPy operations gguf-py applies (a * q first, then the add: no fused multiply-add)."""
+def values(a: np.ndarray, c: np.ndarray | None, q: np.ndarray, out: np.ndarray,
+           offset: Offset) -> np.ndarray:
+    """a, c (n, n_sub), q (n, n_sub * QK) -> out (n, n_sub * QK) float32 = (a * q) +/- c, the two
+    NumPy operations gguf-py applies (a * q first, then the add or subtract: no fused
+    multiply-add; subtracting c rather than adding -c keeps even NaN payloads gguf-py's)."""
     n, n_sub = a.shape
-    out3 = out.reshape(n, n_sub, -1)
-    np.multiply(a[:, :, None], q.reshape(n, n_sub, -1), out=out3, dtype=np.float32)
-    if c is not None:
+    qk = q.shape[1] // n_sub
+    out3 = out.reshape(n, n_sub, qk)
+    np.multiply(a[:, :, None], q.reshape(n, n_sub, qk), out=out3, dtype=np.float32)
+    if offset is Offset.ADD:
         np.add(out3, c[:, :, None], out=out3)
+    elif offset is Offset.SUBTRACT:
+        np.subtract(out3, c[:, :, None], out=out3)
     return out
 
 
-def _dequantize(fields: Callable[[np.ndarray], Fields], raw: np.ndarray) -> np.ndarray:
+def _dequantize(fields: Callable[[np.ndarray], Fields], offset: Offset,
+                raw: np.ndarray) -> np.ndarray:
     a, c, q = fields(raw)
-    return values(a, c, q, np.empty(q.shape, dtype=np.float32))
+    return values(a, c, q, np.empty(q.shape, dtype=np.float32), offset)
 
 
-def _repack(fields: Callable[[np.ndarray], Fields], raw: np.ndarray) -> Tiles:
+def _repack(fields: Callable[[np.ndarray], Fields], offset: Offset, raw: np.ndarray) -> Tiles:
+    """The kernels always add c: SUBTRACT formats store -c (negation is exact)."""
     a, c, q = fields(raw)
     tiled_a = to_tiles(a)
-    tiled_c = to_tiles(c) if c is not None else np.zeros((tiled_a.shape[0], 0), np.float32)
+    if offset is Offset.NONE:
+        tiled_c = np.zeros((tiled_a.shape[0], 0), dtype=np.float32)
+    else:
+        tiled_c = to_tiles(-c if offset is Offset.SUBTRACT else c)
     return Tiles(to_tiles(q), tiled_a, tiled_c)
 
 
-def _unpack_rows(offset: bool, tiles: Tiles, ids: np.ndarray | slice,
+def _unpack_rows(offset: Offset, tiles: Tiles, ids: np.ndarray | slice,
                  out: np.ndarray | None = None) -> np.ndarray:
     q, a = gather_rows(tiles.q, ids), gather_rows(tiles.a, ids)
-    c = gather_rows(tiles.c, ids) if offset else None
-    return values(a, c, q, np.empty(q.shape, dtype=np.float32) if out is None else out)
+    c = None
+    if offset is not Offset.NONE:  # undo _repack's negation: -(-c) has c's bits
+        c = gather_rows(tiles.c, ids)
+        c = -c if offset is Offset.SUBTRACT else c
+    return values(a, c, q, np.empty(q.shape, dtype=np.float32) if out is None else out, offset)
 
 
 @njit(cache=True)
@@ -220,9 +244,10 @@ def _matmul_numpy(qk: int, offset: bool, x: np.ndarray, tiles: Tiles, out: np.nd
 
 
 def codec(qtype: QType, fields: Callable[[np.ndarray], Fields], qk: int,
-          offset: bool) -> Codec:
+          offset: Offset) -> Codec:
     """The Codec of a sub-block format from its unpacker: raw (rows, row_bytes) uint8 -> Fields
-    with sub-blocks of qk columns and c present iff offset."""
-    return Codec(qtype, np.dtype(np.uint8), partial(_dequantize, fields), partial(_repack, fields),
-                 partial(_unpack_rows, offset), partial(_matmul, KERNELS[qk, offset]),
-                 partial(_matmul_numpy, qk, offset))
+    with sub-blocks of qk columns, c present unless offset is Offset.NONE."""
+    has_c = offset is not Offset.NONE
+    return Codec(qtype, np.dtype(np.uint8), partial(_dequantize, fields, offset),
+                 partial(_repack, fields, offset), partial(_unpack_rows, offset),
+                 partial(_matmul, KERNELS[qk, has_c]), partial(_matmul_numpy, qk, has_c))
