@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     numba.set_num_threads(args.threads)
     formats = [QType[f.strip()] for f in args.formats.split(",")]
     shapes = [shape for s in args.shapes.split(",") for shape in
-              SHAPES.get(s.strip(), [tuple(int(v) for v in s.split("x"))])]
+              (SHAPES[s] if s in SHAPES else [tuple(int(v) for v in s.split("x"))])]
     rng = np.random.default_rng(0)
 
     cases = [Case(random_weight(qtype, n, k, rng), args.tokens, rng)

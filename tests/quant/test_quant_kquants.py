@@ -22,7 +22,8 @@ from quant_data import (
 )
 
 from cfr_atlas.errors import DimensionError
-from cfr_atlas.quant import BLOCKS, QType, QuantWeight, kquants, q5
+from cfr_atlas.quant import BLOCKS, QType, QuantWeight, kquants, q4_1, q5, q8_0, subblock
+from cfr_atlas.quant.subblock import Fields, Offset
 from cfr_atlas.quant.weight import CODECS
 
 SUBBLOCK = [*q5.BLOCK_DTYPES, *kquants.BLOCK_DTYPES]
@@ -136,3 +137,22 @@ def test_real_file_tensors(path):
             assert_bits_equal(w.dequantize(), reference(qtype, t.data).reshape(shape))
             x = np.random.default_rng(0).standard_normal((2, shape[1])).astype(np.float32)
             np.testing.assert_array_equal(w.matmul(x), _twin(w, x))
+
+
+@pytest.mark.parametrize("qtype, unpack, offset", [
+    (QType.Q8_0, lambda raw: Fields(*q8_0._fields(raw)[:1], None, q8_0._fields(raw)[1]),
+     Offset.NONE),
+    (QType.Q4_1, lambda raw: Fields(*q4_1._fields(raw)[:2], q4_1._fields(raw)[2].view(np.int8)),
+     Offset.ADD),
+])
+def test_subblock_kernels_reproduce_q8_0_and_q4_1(qtype, unpack, offset):
+    """Q8_0 and Q4_1 written as sub-block formats give their own kernels' results bit for bit:
+    the reduction order is one and the same, so those kernels could be subblock.py's."""
+    raw = quantized(qtype, 70, 192, seed=3)
+    via_subblock = subblock.codec(qtype, unpack, 32, offset)
+    x = np.random.default_rng(4).standard_normal((5, 192)).astype(np.float32)
+    ours, theirs = (np.empty((5, 70), dtype=np.float32) for _ in range(2))
+    via_subblock.matmul(x, via_subblock.repack(raw), ours)
+    CODECS[qtype].matmul(x, CODECS[qtype].repack(raw), theirs)
+    assert_bits_equal(ours, theirs)
+    assert_bits_equal(via_subblock.dequantize(raw), CODECS[qtype].dequantize(raw))

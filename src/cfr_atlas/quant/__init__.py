@@ -4,6 +4,9 @@
 holds one matrix repacked into row tiles and offers matvec / matmul / dequantize / rows, batch
 invariant bit for bit. One module per format (q8_0, q4_0, q4_1, floats) holds its byte layout,
 dequantizer, repack, numba kernel and NumPy twin; tiles.py states the layout and reduction order.
+The formats whose weights are a per-sub-block scale times an integer (plus an offset) share
+subblock.py's tiles, kernels and twin and only unpack their bytes: q5 (Q5_0, Q5_1, IQ4_NL) and
+kquants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K).
 This package imports nothing of cfr_atlas but `cfr_atlas.errors`.
 """
 

@@ -15,7 +15,9 @@ columns starting at k0, with w the dequantized-but-unscaled weight (q, or the fl
     acc = 0, then acc = acc + term_b for b = 0 .. nb - 1, in order
 
 where term_b is d_b * S_b (Q8_0, Q4_0), d_b * S_b + m_b * X_b (Q4_1, X_b the block sum of x in
-the same phase order) or S_b (floats). Each step is one IEEE float32 operation rounded to
+the same phase order) or S_b (floats). The sub-block formats (subblock.py: Q5_0, Q5_1, IQ4_NL,
+Q2_K..Q6_K) follow the same order with QK their sub-block size, 32 or 16, and term_b =
+a_b * S_b (+ c_b * X_b). Each step is one IEEE float32 operation rounded to
 nearest-even: numba runs without fastmath, so LLVM neither reassociates nor contracts a * b + c
 into an FMA, and the NumPy twins apply the same operations elementwise. The order depends on
 (t, n) only, not on T, on which tokens share a call, or on which thread owns the tile; hence
