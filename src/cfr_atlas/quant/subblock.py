@@ -14,10 +14,12 @@ an empty (n_tiles, 0) array.
 
 Reduction order (tiles.py's contract with QK the sub-block size): per sub-block
 S_s = phase sum of q * x (PHASES chains of QK / PHASES products, then (s0 + s1) + (s2 + s3)),
-X_s = the same phase sum of x alone, term_s = a_s * S_s + c_s * X_s (or a_s * S_s; c_s negated
-at load time for the formats that subtract it), and
-acc = acc + term_s over s in column order. QK and the offset are compile-time constants of each
-kernel (closure constants, so each of the four kernels keeps its own numba cache entry).
+X_s = the same phase sum of x alone, term_s = a_s * S_s + c_s * X_s (or a_s * S_s), and
+acc = acc + term_s over s in column order. The formats that subtract their offset store -c_s in
+the tiles: negation is exact and round-to-nearest is symmetric, so a_s * S_s + (-c_s) * X_s is
+a_s * S_s - c_s * X_s bit for bit. QK and the offset are compile-time constants of each kernel
+(closure constants: numba's cache keys each of the four kernels by them, and LLVM sees fixed
+trip counts, unrolls the phase loop and vectorizes across the tile's rows).
 
 Not here: any format's byte layout (q5.py, kquants.py), shape checks (weight.py), quantization.
 """
