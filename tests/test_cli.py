@@ -40,9 +40,9 @@ def bad_files(tmp_path_factory, tiny_llama, tiny_gguf) -> dict[str, Path]:
         files[name] = d / f"{name}.gguf"
         files[name].write_bytes(content)
     files["mamba"] = rewrite_gguf(tiny_llama, d / "mamba.gguf", arch="mamba")
-    wide = tiny_gguf(dim=256, hidden_dim=256)  # rows of 256: whole Q5_K super-blocks
-    files["q5_k"] = rewrite_gguf(wide, d / "q5_k.gguf",
-                                 retype={"blk.1.attn_q.weight": GGMLQuantizationType.Q5_K})
+    wide = tiny_gguf(dim=256, hidden_dim=256)  # rows of 256: whole IQ4_XS super-blocks
+    files["iq4_xs"] = rewrite_gguf(wide, d / "iq4_xs.gguf",
+                                   retype={"blk.1.attn_q.weight": GGMLQuantizationType.IQ4_XS})
     return files
 
 
@@ -55,7 +55,7 @@ EXPECTED = {
     "truncated_tensors": ("truncated", "download or convert it again"),
     "mamba": ("architecture 'mamba' is not supported", "llama, qwen2",
               "use a GGUF of one of those"),
-    "q5_k": ("blk.1.attn_q.weight", "Q5_K", "Q8_0, Q4_0, Q4_1", "re-quantize"),
+    "iq4_xs": ("blk.1.attn_q.weight", "IQ4_XS", "Q8_0, Q4_0, Q4_1", "re-quantize"),
 }
 
 
@@ -84,7 +84,7 @@ def test_generate_refuses_bad_model_file(capsys, bad_files, name):
     assert out == ""
 
 
-@pytest.mark.parametrize("name", [n for n in EXPECTED if n != "q5_k"])  # inspect loads no weights
+@pytest.mark.parametrize("name", [n for n in EXPECTED if n != "iq4_xs"])  # inspect loads no weights
 def test_inspect_refuses_bad_model_file(capsys, bad_files, name):
     code, _, err = run(capsys, "inspect", bad_files[name])
     assert_one_line_error(code, err, *EXPECTED[name])
@@ -96,7 +96,7 @@ def test_other_commands_refuse_a_missing_model(capsys, bad_files, cmd):
     assert_one_line_error(code, err, *EXPECTED["missing"])
 
 
-@pytest.mark.parametrize("name", ["truncated_tensors", "q5_k"])
+@pytest.mark.parametrize("name", ["truncated_tensors", "iq4_xs"])
 def test_subprocess_prints_no_traceback(bad_files, name):
     proc = subprocess.run(
         [sys.executable, "-m", "cfr_atlas.cli", "generate", "--model", str(bad_files[name]),
