@@ -297,7 +297,8 @@ class LlamaModel:
         had never been in the batch. The failed item's session is left mid-chunk (n_tokens not
         advanced, some layers' rows stored): close it, as after a failed `forward_chunk`. Only
         an error in a shared kernel (a bug, or out of memory) propagates: then every item's
-        session is mid-chunk.
+        session is mid-chunk. A batch of one is `forward_chunk` itself (whatever makes one
+        sequence fast serves it; the tests hold both paths to the same bits).
         """
         c, w = self.config, self.weights
         results: list = [None] * len(items)
@@ -308,6 +309,8 @@ class LlamaModel:
                 live.append(j)
             except Exception as exc:
                 results[j] = exc
+        if len(live) == 1:
+            return self._forward_one(items, live[0], results)
         rows = Rows(items, live)
         if not live:
             return results
@@ -337,6 +340,15 @@ class LlamaModel:
             except Exception as exc:
                 results[j] = exc
         return self._batch_outputs(items, rows, x, results)
+
+    def _forward_one(self, items, j: int, results: list) -> list:
+        item = items[j]
+        try:
+            results[j] = self.forward_chunk(item.session, item.ids, all_logits=item.all_logits,
+                                            hidden=item.hidden, output=item.output)
+        except Exception as exc:
+            results[j] = exc
+        return results
 
     def _attend_item(self, session, layer: int, pos0: int, x, q, k, v) -> np.ndarray:
         """One item's share of a layer: store its K/V rows, attend over its own context;
