@@ -155,7 +155,7 @@ def test_a_batched_step_caps_prompt_tokens_and_keeps_decoding(tiny_llama):
     while not any(kind == "text" for kind, _ in jobs[0].channel.events):
         time.sleep(0.001)  # the short one decodes before the long one arrives
     s.submit(jobs[1])
-    wait_idle(s)
+    wait_idle(s, timeout=300)
     s.stop()
     prefill = [p for p in passes if len(p) == 2 and p[1] > 1]  # the long prompt's chunks
     assert len(prefill) >= len(long) // 100 and all(p[0] == 1 and p[1] <= 100 for p in prefill)
