@@ -26,10 +26,14 @@ import time
 
 import httpx
 
-PROMPTS = ["The history of the city of Paris", "Write a short poem about the sea",
-           "Explain how a steam engine works", "List three facts about the Moon",
-           "What is the capital of Italy? It is", "Once upon a time in a small village",
-           "The best way to learn a language is", "A recipe for bread starts with"]
+
+def prompts(n: int) -> list[str]:
+    """n fixed prompts: 30-word slices of the bundled validation text (prose continuations,
+    so greedy streams of the bundled model run their full length instead of stopping early)."""
+    from cfr_atlas.validate import validation_text
+
+    words = validation_text().split()
+    return [" ".join(words[i * 40:i * 40 + 30]) for i in range(n)]
 
 
 def _free_port() -> int:
@@ -79,10 +83,10 @@ def stream_one(url: str, prompt: str, tokens: int, start: threading.Barrier) -> 
 
 def run_clients(url: str, n: int, tokens: int) -> dict:
     """N streams started together -> aggregate tokens/s and latency percentiles (ms)."""
-    barrier, out = threading.Barrier(n), [None] * n
+    barrier, out, texts = threading.Barrier(n), [None] * n, prompts(n)
 
     def client(i):
-        out[i] = stream_one(url, PROMPTS[i % len(PROMPTS)], tokens, barrier)
+        out[i] = stream_one(url, texts[i], tokens, barrier)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     for t in threads:
