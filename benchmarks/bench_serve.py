@@ -9,6 +9,8 @@ largest N), warms it up, then for each N runs N clients at once, each streaming 
 tokens/s (every client's generated tokens over the wall time from the first request to the
 last answer), its ratio to one stream, and p50/p95 of the time to first token and of the gap
 between streamed tokens. One run on one machine: compare rows within the run, not across runs.
+`--in-process` adds a second table without the server: the median time of one batched decode
+step (`forward_batch` of N single tokens) in this process, the ceiling batching can reach.
 """
 
 from __future__ import annotations
@@ -141,6 +143,34 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def in_process(model_path: str | None, counts: list[int], repeats: int = 7) -> str:
+    """Median wall time of one `forward_batch` decode step of N sequences (after a 40-token
+    prompt each), steps of different N interleaved so drifting load hits them alike."""
+    import numpy as np
+
+    from cfr_atlas.engine import load_model
+    from cfr_atlas.models.batch import BatchItem
+
+    model = load_model(model_path)
+    sessions = [model.session() for _ in range(max(counts))]
+    for s, text in zip(sessions, prompts(len(sessions)), strict=True):
+        model.net.forward_chunk(s, np.array(model.tokenize(text)[:40]), all_logits=False)
+    token, times = np.array([42], dtype=np.int64), {n: [] for n in counts}
+    for _ in range(repeats):
+        for n in counts:
+            t0 = time.perf_counter()
+            model.net.forward_batch([BatchItem(s, token) for s in sessions[:n]])
+            times[n].append(time.perf_counter() - t0)
+    for s in sessions:
+        s.close()
+    one = 1 / statistics.median(times[counts[0]]) * counts[0]
+    lines = ["| sequences | ms per step | tokens/s | x first row |", "|---:" * 4 + "|"]
+    for n in counts:
+        t = statistics.median(times[n])
+        lines.append(f"| {n} | {t * 1e3:.1f} | {n / t:.1f} | {n / t / one:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF path (default: the bundled model)")
@@ -148,6 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="tokens per stream (default 64)")
     ap.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of the table")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--in-process", action="store_true",
+                    help="also time batched decode steps without the server")
     a = ap.parse_args(argv)
     counts = [int(x) for x in a.clients.split(",")]
     proc, url = start_server(a.model, max(counts))
@@ -166,6 +198,9 @@ def main(argv=None) -> int:
     if a.plot:
         plot(rows, a.plot)
         print(f"plot: {a.plot}")
+    if a.in_process:
+        print("\nforward_batch decode step alone (no server), median of 7:")
+        print(in_process(a.model, counts))
     return 0
 
 

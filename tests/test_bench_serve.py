@@ -17,7 +17,7 @@ def test_quick_run_prints_table_json_and_plot(tiny_llama, tmp_path, capsys):
     spec.loader.exec_module(bench)
     out_json, out_png = tmp_path / "rows.json", tmp_path / "plot.png"
     argv = ["--model", str(tiny_llama), "--clients", "1,2", "--tokens", "6",
-            "--json", str(out_json), "--plot", str(out_png)]
+            "--json", str(out_json), "--plot", str(out_png), "--in-process"]
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
     rows = json.loads(out_json.read_text())
@@ -26,3 +26,4 @@ def test_quick_run_prints_table_json_and_plot(tiny_llama, tmp_path, capsys):
     assert "| clients | tokens | tokens/s | x one stream |" in out
     assert "| 1 | " in out and "| 2 | " in out and "| 1.00 |" in out
     assert out_png.stat().st_size > 1000
+    assert "| sequences | ms per step | tokens/s | x first row |" in out
