@@ -130,6 +130,9 @@ def test_a_batch_of_one_is_forward_chunk(model, tmp_path):
         (got,) = model.net.forward_batch([BatchItem(a, ids, all_logits=True)])
         assert np.array_equal(got, _solo(model, b, ids, True, True, False))
         assert model.net.forward_batch([BatchItem(a, ids[:3], output=False)]) == [None]
+        twice = model.net.forward_batch([BatchItem(b, ids[:2]), BatchItem(b, ids[2:4])])
+        assert twice[0].shape == (1, model.config.vocab_size)
+        assert isinstance(twice[1], ConfigError) and "twice" in str(twice[1])
     finally:
         a.close()
         b.close()

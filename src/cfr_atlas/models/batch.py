@@ -30,8 +30,12 @@ class BatchItem:
     hidden: bool = False  # the final normalized hidden states instead of logits
 
 
-def check_item(item: BatchItem, vocab_size: int) -> None:
-    """Refuse an item before the step (so one bad item cannot fail the shared kernels)."""
+def check_item(item: BatchItem, vocab_size: int, sessions: set[int]) -> None:
+    """Refuse an item before the step (so one bad item cannot fail the shared kernels); a
+    session may feed one item per step (`sessions`: ids of those seen so far, updated)."""
+    if id(item.session) in sessions:
+        raise ConfigError("session", "appears twice in one batched step (one item per "
+                                     "sequence per step)")
     ids = item.ids
     if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.size == 0 \
             or ids.dtype.kind not in "iu":
@@ -41,6 +45,7 @@ def check_item(item: BatchItem, vocab_size: int) -> None:
     if ids.min() < 0 or ids.max() >= vocab_size:
         raise ConfigError("ids", f"token ids must be in [0, {vocab_size}), got "
                                  f"[{ids.min()}, {ids.max()}]")
+    sessions.add(id(item.session))
 
 
 class Rows:

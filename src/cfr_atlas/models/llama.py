@@ -302,10 +302,10 @@ class LlamaModel:
         """
         c, w = self.config, self.weights
         results: list = [None] * len(items)
-        live = []
+        live, seen = [], set()
         for j, item in enumerate(items):
             try:
-                check_item(item, c.vocab_size)
+                check_item(item, c.vocab_size, seen)
                 live.append(j)
             except Exception as exc:
                 results[j] = exc
