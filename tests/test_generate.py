@@ -1,5 +1,6 @@
-"""The generation driver (`Generation`): one prefill chunk or one token per step, the one
-stop-text rule, phase timings, and its limits — on the tiny model."""
+"""The generation driver (`Generation`): one forward pass (a prompt chunk or one token) per
+step, the one stop-text rule, phase timings, its limits, and generations stepped together as
+one batch giving exactly their solo results — on the tiny model."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from cfr_atlas.engine import load_model
 from cfr_atlas.errors import ConfigError
 from cfr_atlas.generate import Generation
+from cfr_atlas.models.batch import BatchItem
 from cfr_atlas.models.session import fixed_kv_bytes
 from cfr_atlas.sampling import SamplingParams
 from cfr_atlas.validate import validation_text
@@ -43,8 +45,8 @@ def drive(model, ids, params=SAMPLED, *, max_tokens=12, stops=(), chunk_tokens=6
 def test_a_step_is_one_prefill_chunk_or_one_token(model, prompt):
     events, run, t = drive(model, prompt)
     n_chunks = -(-len(prompt) // 64)
-    assert all(e.token is None and e.text == "" for e in events[:n_chunks])
-    decoded = events[n_chunks:]
+    assert all(e.token is None and e.text == "" for e in events[:n_chunks - 1])
+    decoded = events[n_chunks - 1:]  # the last chunk's step samples the first token
     assert all(e.token is not None and e.logits.shape == (model.config.vocab_size,)
                for e in decoded)
     assert [e.finish_reason for e in decoded[:-1]] == [None] * (len(decoded) - 1)
@@ -112,3 +114,52 @@ def test_limits_zero_tokens_full_context_and_bad_counts(model, prompt):
         with pytest.raises(ConfigError, match=field):
             Generation(model.net, None, prompt, SamplingParams(),
                        **{"max_tokens": 1, **kw}, tokenizer=model.tokenizer)
+
+
+def _together(model, runs, max_chunk):
+    """Step `runs` as one batch per step (as the server does) until all are done; prompt
+    chunks capped at `max_chunk`; returns each run's events."""
+    events = [[] for _ in runs]
+    while not all(r.done for r in runs):
+        live = [i for i, r in enumerate(runs) if not r.done]
+        items = [runs[i].plan(max_chunk) for i in live]
+        assert all(isinstance(it, BatchItem) for it in items)
+        for i, result in zip(live, model.net.forward_batch(items), strict=True):
+            events[i].append(runs[i].absorb(result, 0.0))
+    return events
+
+
+def test_generations_stepped_together_are_their_solo_runs(model, prompt, tmp_path):
+    """Four generations (prompt lengths, budgets, regenerators, sampling, stops) stepped as one
+    batch: every token, text and logits fingerprint equals `Model.generate` alone."""
+    def tight(regenerator, n):  # the fixed bytes and two hot pages of 16 tokens
+        fixed = fixed_kv_bytes(model.config, regenerator=regenerator, page_tokens=16,
+                               context_limit=n + 20)
+        return sum(fixed.values()) + 2 * 2 * 16 * model.config.head_dim * 2
+
+    cases = [(prompt, SAMPLED, {}, ()),
+             (prompt[:40], SamplingParams(), {"kv_budget": tight("spill", 40),
+                                              "cache_dir": tmp_path}, ()),
+             (prompt[100:], SamplingParams(temperature=0.8, top_k=20, seed=11),
+              {"kv_budget": tight("recompute", len(prompt) - 100), "regenerator": "recompute"},
+              ()),
+             (prompt[:7], SamplingParams(temperature=1.3, seed=5, repeat_penalty=1.2), {},
+              ("the",))]
+    sessions = [model.session(context_limit=len(ids) + 20, page_tokens=16, **kv)
+                for ids, _, kv, _ in cases]
+    try:
+        runs = [Generation(model.net, s, ids, params, max_tokens=20, tokenizer=model.tokenizer,
+                           stops=stops) for s, (ids, params, _, stops) in
+                zip(sessions, cases, strict=True)]
+        events = _together(model, runs, max_chunk=50)
+        assert sum(s.telemetry_summary()["pages_regenerated"] for s in sessions) > 0
+        for (ids, params, kv, stops), run, ev in zip(cases, runs, events, strict=True):
+            want = model.generate(ids, max_tokens=20, stop=list(stops), page_tokens=16,
+                                  temperature=params.temperature, top_k=params.top_k,
+                                  seed=params.seed, repeat_penalty=params.repeat_penalty, **kv)
+            assert "".join(e.text for e in ev) == want
+            assert run.telemetry()["logits_sha256"] == model.last_telemetry["logits_sha256"]
+            assert run.generated == model.last_telemetry["generated_tokens"]
+    finally:
+        for s in sessions:
+            s.close()

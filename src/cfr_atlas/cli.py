@@ -97,7 +97,10 @@ def _serve_parser(sub) -> None:
     s.add_argument("--prefix-cache-bytes", default="8GiB", metavar="SIZE",
                    help="byte budget of the prefix cache folder (default 8GiB); least recently "
                    "used blocks beyond it are evicted")
-    s.add_argument("--max-active", type=int, default=4, help="sequences interleaved (default 4)")
+    s.add_argument("--max-active", type=int, default=8,
+                   help="sequences decoded together, one batched pass per step (default 8)")
+    s.add_argument("--prefill-tokens", type=int, default=256,
+                   help="prompt tokens per batched step, across new requests (default 256)")
     s.add_argument("--max-queue", type=int, default=16,
                    help="requests waiting beyond those; more get 429 (default 16)")
     s.add_argument("--max-tokens", type=int, default=None,
@@ -109,13 +112,14 @@ def _serve(a) -> None:
     from cfr_atlas.models.session import check_kv_budget
     from cfr_atlas.serve import ServerConfig, serve
 
-    for name in ("max_active", "max_queue"):
+    for name in ("max_active", "max_queue", "prefill_tokens"):
         if getattr(a, name) < 1:
             raise ConfigError(name, f"must be >= 1, got {getattr(a, name)}")
     budget = None if a.kv_budget is None else check_kv_budget(a.kv_budget)  # bytes or "10%"
     serve(ServerConfig(host=a.host, port=a.port, model_path=a.model, model_name=a.name,
                        kv_budget=budget, cache_dir=a.cache_dir, max_active=a.max_active,
-                       max_queue=a.max_queue, max_tokens=a.max_tokens),
+                       max_queue=a.max_queue, max_tokens=a.max_tokens,
+                       prefill_tokens=a.prefill_tokens),
           prefix_cache=a.prefix_cache, prefix_cache_bytes=a.prefix_cache_bytes)
 
 

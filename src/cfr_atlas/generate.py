@@ -2,9 +2,11 @@
 
 `prefill` runs a prompt through the model in chunks (the chunk size never changes a result:
 every kernel is batch-invariant); it serves `Model.logits`. `Generation` is a sequence's whole
-generation as resumable steps — one prefill chunk or one sampled token per `step()` — with the
-stop-text rule (`StopText`) applied in it, so `Model.stream` and the server's scheduler job
-produce the same text and the same telemetry from the same code. Sampling is `Sampler`'s; the
+generation as resumable steps — one forward pass of one prompt chunk or one token per step,
+sampling when it yields logits — with the stop-text rule (`StopText`) applied in it. A step is
+`plan()` (what to feed), the pass, `absorb()` (the result): `step()` runs it as a batch of one
+(`Model.stream`, the CLI), the server's scheduler runs many sequences' plans as one batched
+pass; the text and telemetry come from the same code either way. Sampling is `Sampler`'s; the
 Session (K/V state) is the caller's to open and close.
 """
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cfr_atlas.errors import CapacityError, ConfigError
+from cfr_atlas.models.batch import BatchItem
 from cfr_atlas.sampling import Sampler, SamplingParams
 from cfr_atlas.text import StopText, Tokenizer
 
@@ -70,24 +73,29 @@ def prefill(model, session, ids: np.ndarray, *, chunk_tokens: int = DEFAULT_CHUN
 
 @dataclass(frozen=True)
 class Event:
-    """What one `Generation.step()` did: a prefill chunk (token None) or one sampled token."""
+    """What one step did: a prompt chunk (token None) and/or one sampled token (the step of
+    the last prompt chunk samples the first token)."""
 
     text: str = ""  # text now safe to show ("" while it may still start a stop string)
-    token: int | None = None  # the token sampled in this step; None for a prefill chunk
+    token: int | None = None  # the token sampled in this step; None if none was
     logits: np.ndarray | None = None  # (vocab,) float32 the token was drawn from
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", or None
 
 
 class Generation:
-    """One sequence's generation, resumable: each `step()` is one prefill chunk or one token.
+    """One sequence's generation, resumable: each step is one forward pass of this sequence.
 
-    Prefill: cached prefix blocks are mapped, then the rest of the prompt goes through the
-    model `chunk_tokens` per step (split exactly as `prefill` splits it). Decode: each step
-    feeds the previous token back (if any), samples the next from the whole history (prompt
-    included, for the repetition penalty) and cuts text at stop strings (`StopText`). It ends
-    at EOS or a stop string ("stop"), or after `max_tokens` tokens or when the context is full
-    ("length"). Each step's wall time goes to its phase, so time between steps (another
-    sequence's turn, the consumer's work) is not counted; the first sample counts as decode.
+    A step feeds the model one prompt chunk or one token: `plan()` says what (a `BatchItem`),
+    the caller runs it (alone: `step()`; with other sequences: the server's batched step,
+    `forward_batch`) and hands the result to `absorb()`, which samples when the step produced
+    logits. Prefill: cached prefix blocks are mapped, then the rest of the prompt goes in
+    chunks of at most `chunk_tokens` (the caller may ask for smaller ones: the chunking never
+    changes a result); the step of the last chunk also samples the first token. Decode: each
+    step feeds the previous token back and samples the next from the whole history (prompt
+    included, for the repetition penalty); text is cut at stop strings (`StopText`). It ends at
+    EOS or a stop string ("stop"), or after `max_tokens` tokens or when the context is full
+    ("length"). Forward time goes to the phase of what was fed, sampling time to decode; time
+    between steps (other sequences, the consumer) is not counted.
     """
 
     def __init__(self, model, session, prompt_ids, params: SamplingParams, *, max_tokens: int,
@@ -100,8 +108,8 @@ class Generation:
         self._text = StopText(tokenizer, (stops,) if isinstance(stops, str) else tuple(stops))
         self._sampler = Sampler(params)
         self._history = self.ids.tolist()
-        self._fed: int | None = None  # prompt tokens in the session; None before the first step
-        self._logits: np.ndarray | None = None  # what the next token is sampled from
+        self._fed: int | None = None  # prompt tokens in the session; None before the first plan
+        self._planned: BatchItem | None = None  # what the current step feeds
         self._pending: int | None = None  # sampled, not yet fed back
         self._digest = hashlib.sha256()  # of every sample's logits: a bitwise fingerprint
         self.generated = 0  # tokens sampled, an end-of-generation token included
@@ -117,43 +125,66 @@ class Generation:
         """Prompt tokens in the session so far (mapped from the prefix cache or computed)."""
         return self._fed or 0
 
-    def step(self) -> Event:
-        """Run one prefill chunk or sample one token; see the class docstring."""
+    @property
+    def prefilling(self) -> bool:
+        """True while prompt tokens remain to be fed."""
+        return self._fed is None or self._fed < len(self.ids)
+
+    def plan(self, max_chunk: int | None = None) -> BatchItem:
+        """What this step feeds: the next prompt chunk (at most `chunk_tokens`, and at most
+        `max_chunk` if given) or the token sampled last. The first call maps cached prefix
+        blocks and checks the prompt fits the context (errors raise here, before any pass)."""
         if self.done:
             raise RuntimeError(f"generation already finished ({self.finish_reason})")
         t0 = time.perf_counter()
-        if self._logits is None:
-            event = self._prefill_chunk()
+        if self._fed is None:
+            _check_fits(self.session, len(self.ids))
+            self._fed = self.session.map_prefix(self.ids)  # reused blocks are not recomputed
+        if self._fed < len(self.ids):
+            n = self.chunk_tokens if max_chunk is None else min(self.chunk_tokens, max_chunk)
+            chunk = self.ids[self._fed:self._fed + _check_count("max_chunk", n, 1)]
+            last = self._fed + len(chunk) == len(self.ids)
+            self._planned = BatchItem(self.session, chunk, output=last)
             self.prefill_seconds += time.perf_counter() - t0
         else:
-            event = self._decode_token()
-            self.decode_seconds += time.perf_counter() - t0
+            self._planned = BatchItem(self.session, np.array([self._pending], dtype=np.int64))
+        return self._planned
+
+    def absorb(self, result, seconds: float = 0.0) -> Event:
+        """The planned step's result (logits (1, vocab), None, or the exception the pass gave
+        this item: raised here) -> this step's event. `seconds`: the pass's wall time."""
+        item, self._planned = self._planned, None
+        if item is None:
+            raise RuntimeError("absorb() without a plan()")
+        if isinstance(result, BaseException):
+            raise result
+        if self.prefilling:  # a prompt chunk
+            self.prefill_seconds += seconds
+            self._fed += len(item.ids)
+            if not item.output:
+                return Event()
+            if self.max_tokens == 0:
+                return self._finish("length", self._text.flush())
+        else:
+            self.decode_seconds += seconds
+        t0 = time.perf_counter()
+        event = self._sample(result[0])
+        self.decode_seconds += time.perf_counter() - t0
         return event
+
+    def step(self) -> Event:
+        """One step alone: a batch of one through the same `plan` / pass / `absorb`."""
+        item = self.plan()
+        t0 = time.perf_counter()
+        (result,) = self.model.forward_batch([item])
+        return self.absorb(result, time.perf_counter() - t0)
 
     def events(self) -> Iterator[Event]:
         """Every step's event until the generation has finished."""
         while not self.done:
             yield self.step()
 
-    def _prefill_chunk(self) -> Event:
-        if self._fed is None:
-            _check_fits(self.session, len(self.ids))
-            self._fed = self.session.map_prefix(self.ids)  # reused blocks are not recomputed
-        chunk = self.ids[self._fed:self._fed + self.chunk_tokens]
-        self._fed += len(chunk)
-        last = self._fed == len(self.ids)
-        logits = self.model.forward_chunk(self.session, chunk, all_logits=False, output=last)
-        if last:
-            self._logits = logits[0]
-            if self.max_tokens == 0:
-                return self._finish("length", self._text.flush())
-        return Event()
-
-    def _decode_token(self) -> Event:
-        if self._pending is not None:
-            fed = np.array([self._pending], dtype=np.int64)
-            self._logits = self.model.forward_chunk(self.session, fed, all_logits=False)[0]
-        logits = self._logits
+    def _sample(self, logits: np.ndarray) -> Event:
         token = self._sampler.sample(logits, self._history)
         self._history.append(token)
         self._digest.update(logits.tobytes())

@@ -16,17 +16,17 @@ from cfr_atlas.errors import RegeneratorError
 
 @pytest.fixture(scope="module")
 def flaky(tiny_llama, tmp_path_factory):
-    """A server whose model raises `plan["error"]` from forward call number `plan["at"]`."""
+    """A server whose model raises `plan["error"]` from batched pass number `plan["at"]`."""
     model = load_model(tiny_llama)
-    real, plan = model.net.forward_chunk, {"at": None, "calls": 0, "error": None}
+    real, plan = model.net.forward_batch, {"at": None, "calls": 0, "error": None}
 
-    def forward_chunk(session, ids, **kw):
+    def forward_batch(items):
         plan["calls"] += 1
         if plan["at"] is not None and plan["calls"] >= plan["at"]:
             raise plan["error"]
-        return real(session, ids, **kw)
+        return real(items)
 
-    model.net.forward_chunk = forward_chunk
+    model.net.forward_batch = forward_batch
     server = start_server(model, tmp_path_factory.mktemp("flaky"))
     yield server, plan
     server.stop()
@@ -38,7 +38,7 @@ def _arm(plan, after_calls, error):
 
 def test_error_mid_stream_is_the_last_line(flaky):
     server, plan = flaky
-    _arm(plan, 4, RegeneratorError("L0/H1/p0", "page file vanished"))  # prefill + 2 steps ok
+    _arm(plan, 4, RegeneratorError("L0/H1/p0", "page file vanished"))  # prefill + 2 passes ok
     body = {"model": MODEL, "prompt": "hello", "raw": True, "options": {"num_predict": 50}}
     with httpx.stream("POST", server.url + "/api/generate", json=body, timeout=30) as r:
         lines = [json.loads(line) for line in r.iter_lines() if line]

@@ -159,12 +159,12 @@ class Log:
 
 
 def _logged(job, name, log):
-    step = job.step
+    absorb = job.absorb
 
-    def logged_step():
+    def logged_absorb(result, seconds):
         log.append(name)
-        return step()
-    job.step = logged_step
+        return absorb(result, seconds)
+    job.absorb = logged_absorb
     return job
 
 
@@ -191,9 +191,10 @@ def test_long_embedding_interleaves_with_a_stream_and_is_bitwise_exact(reference
         s.stop()
     assert not any(kind == "done" for kind, _ in gen_ch.events)  # the stream ran throughout
     emb_steps = order.count("e")
-    assert emb_steps == n_chunks + 2  # 300 tokens: two more chunks
+    # the stream's prompt shares the first step's prompt tokens: at most one chunk more
+    assert n_chunks + 2 <= emb_steps <= n_chunks + 3  # 300 tokens: two more chunks
     last_e = max(i for i, x in enumerate(order) if x == "e")
-    # strict round robin: the stream got a step between every two embedding chunks
+    # one batch per step: the stream got a token in every step that ran an embedding chunk
     assert order[:2 * emb_steps] == ["g", "e"] * emb_steps and last_e == 2 * emb_steps - 1
     assert sum(kind == "text" for kind, _ in gen_ch.events) >= 1
     kind, outcome = emb_ch.events[-1]

@@ -1,5 +1,6 @@
-"""The scheduler without HTTP: round-robin order, admission limits, cancellation, failure
-isolation; a GenerationJob stepping the shared generation driver one chunk or token a turn."""
+"""The scheduler without HTTP: one step per job per round in admission order, admission limits,
+cancellation, failure isolation; a GenerationJob stepping the shared generation driver one
+chunk or token a turn; batched steps capped at `prefill_tokens` prompt tokens."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 
 import pytest
 
+from cfr_atlas.engine import load_model
 from cfr_atlas.errors import ConfigError, QueueFullError
 from cfr_atlas.generate import DEFAULT_CHUNK
 from cfr_atlas.sampling import SamplingParams
@@ -35,7 +37,8 @@ class CountingJob(Job):
         self.name, self.n, self.log, self.fail, self.gate = name, n, log, fail, gate
         self.released = 0
 
-    def step(self):
+    def absorb(self, result, seconds):
+        assert result is None  # it plans no model work
         if self.gate is not None:
             self.gate.wait(5)
         self.log.append(self.name)
@@ -116,15 +119,51 @@ def test_generation_job_steps_the_shared_driver(reference):
     while not done:
         done, turns = job.step(), turns + 1
         assert job.token_counts() == (min(turns * DEFAULT_CHUNK, len(ids)),
-                                      max(0, turns - n_chunks))
+                                      max(0, turns - n_chunks + 1))
     job.release()
     kinds = [kind for kind, _ in job.channel.events]
     assert kinds[-1] == "done" and kinds.count("done") == 1
     outcome = job.channel.events[-1][1]
-    assert turns == n_chunks + outcome.eval_count
+    assert turns == n_chunks + outcome.eval_count - 1  # the last chunk samples the first
     text = "".join(v for kind, v in job.channel.events if kind == "text")
     assert text == reference.generate(ids, max_tokens=6, repeat_penalty=1.1, stop=["xyz"])
     assert outcome.eval_count == reference.last_telemetry["generated_tokens"]
     assert outcome.telemetry["logits_sha256"] == reference.last_telemetry["logits_sha256"]
     assert outcome.prompt_seconds == outcome.telemetry["prefill_seconds"] > 0
     assert outcome.eval_seconds == outcome.telemetry["decode_seconds"] > 0
+
+
+def test_a_batched_step_caps_prompt_tokens_and_keeps_decoding(tiny_llama):
+    """A long prompt arriving while another sequence decodes: every pass carries the decoding
+    sequence's token plus at most `prefill_tokens` prompt tokens, and both results equal their
+    solo runs."""
+    model = load_model(tiny_llama)
+    passes, real = [], model.net.forward_batch
+
+    def recording(items):
+        passes.append([len(item.ids) for item in items])
+        return real(items)
+
+    model.net.forward_batch = recording
+    short, long = model.tokenize("hello world"), model.tokenize(LONG_PROMPT)
+    specs = [GenerationSpec(tuple(short), SamplingParams(), 300),
+             GenerationSpec(tuple(long), SamplingParams(temperature=0.9, seed=2), 5)]
+    jobs = [GenerationJob(model, spec, FakeChannel()) for spec in specs]
+    s = Scheduler(max_active=2, max_queue=2, prefill_tokens=100)
+    s.start()
+    s.submit(jobs[0])
+    while not any(kind == "text" for kind, _ in jobs[0].channel.events):
+        time.sleep(0.001)  # the short one decodes before the long one arrives
+    s.submit(jobs[1])
+    wait_idle(s, timeout=300)
+    s.stop()
+    prefill = [p for p in passes if len(p) == 2 and p[1] > 1]  # the long prompt's chunks
+    assert len(prefill) >= len(long) // 100 and all(p[0] == 1 and p[1] <= 100 for p in prefill)
+    assert all(sum(p) <= 100 + len(p) for p in passes)
+    texts = ["".join(v for kind, v in job.channel.events if kind == "text") for job in jobs]
+    model.net.forward_batch = real
+    assert texts[0] == model.generate(short, max_tokens=300)
+    assert texts[1] == model.generate(long, max_tokens=5, temperature=0.9, seed=2)
+    st = s.stats()
+    assert st.batch_sizes.count == st.steps == len(passes)
+    assert st.queue_seconds.count == 2 and st.completed == 2

@@ -5,6 +5,7 @@ matrices as `QuantWeight`s (never expanded to float32) and fuses Q|K|V and gate|
 concatenating their quantized rows when they share a format. `forward_chunk` is the whole
 transformer for a chunk of tokens, top to bottom, with every attention call going through the
 caller's `Atlas` (the model's K/V lives there and in the session's regenerator).
+`forward_batch` is the same pass for several sequences at once (see its docstring).
 
 Architecture differences (RoPE convention, Q/K/V biases, rope_freqs) live in `ARCHS`, not as
 branches in a loader. RoPE scaling follows llama.cpp: linear `rope.scaling.factor`, and the
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cfr_atlas.errors import ModelFormatError, UnsupportedArchitectureError
+from cfr_atlas.models.batch import BatchItem, Rows, check_item
 from cfr_atlas.models.gguf_io import GGUFFile
 from cfr_atlas.models.recompute import kv_head_weights
 from cfr_atlas.ops import rms_norm, rope_cos_sin, rope_freqs, rotate, swiglu
@@ -279,3 +281,98 @@ class LlamaModel:
             x = x[-1:]
         x = rms_norm(x, w.output_norm, c.norm_eps)
         return x if hidden else w.output.matmul(x)
+
+    def forward_batch(self, items: list[BatchItem]) -> list:
+        """Several sequences' chunks in one pass -> per item exactly what `forward_chunk` of
+        that item alone returns (bitwise), or the exception that item raised.
+
+        Every weight matmul, norm, activation and the RoPE tables run once over the rows of all
+        items concatenated (each op is row-independent: a row's bits never depend on its
+        neighbours or their number), so the weights stream once per step. Positions, the K/V
+        store and attention run per item on its own session (pages, budget, regenerator).
+
+        Errors stay with their item: an item with bad ids is refused before the pass; an item
+        whose store, attention or advance raises leaves the pass at once (its rows are dropped
+        from the activations), so the other items and their sessions go on exactly as if it
+        had never been in the batch. The failed item's session is left mid-chunk (n_tokens not
+        advanced, some layers' rows stored): close it, as after a failed `forward_chunk`. Only
+        an error in a shared kernel (a bug, or out of memory) propagates: then every item's
+        session is mid-chunk. A batch of one is `forward_chunk` itself (whatever makes one
+        sequence fast serves it; the tests hold both paths to the same bits).
+        """
+        c, w = self.config, self.weights
+        results: list = [None] * len(items)
+        live, seen = [], set()
+        for j, item in enumerate(items):
+            try:
+                check_item(item, c.vocab_size, seen)
+                live.append(j)
+            except Exception as exc:
+                results[j] = exc
+        if len(live) == 1:
+            return self._forward_one(items, live[0], results)
+        rows = Rows(items, live)
+        if not live:
+            return results
+        x = self.embed(np.concatenate([items[j].ids for j in live]))
+        cos, sin = self.rope(rows.positions())
+        for i, lay in enumerate(w.layers):
+            q, k, v = self.qkv(i, x, (cos, sin))
+            attn, failed = np.empty((x.shape[0], c.dim), dtype=np.float32), []
+            for j, r in zip(rows.live, rows.spans, strict=True):  # per sequence: own K/V
+                try:
+                    attn[r] = self._attend_item(items[j].session, i, rows.pos0[j],
+                                                x[r], q[r], k[r], v[r])
+                except Exception as exc:
+                    results[j] = exc
+                    failed.append(j)
+            if failed:
+                keep = rows.drop(failed)
+                x, attn, cos, sin = x[keep], attn[keep], cos[keep], sin[keep]
+                if not rows.live:
+                    return results
+            x = x + lay.wo.matmul(attn)                               # h = x + attention(norm(x))
+            gu = _matmul(lay.w_gate_up, rms_norm(x, lay.ffn_norm, c.norm_eps))
+            x = x + lay.w_down.matmul(swiglu(gu[:, :c.hidden_dim], gu[:, c.hidden_dim:]))
+        for j in list(rows.live):
+            try:
+                items[j].session.advance(items[j].ids)
+            except Exception as exc:
+                results[j] = exc
+        return self._batch_outputs(items, rows, x, results)
+
+    def _forward_one(self, items, j: int, results: list) -> list:
+        item = items[j]
+        try:
+            results[j] = self.forward_chunk(item.session, item.ids, all_logits=item.all_logits,
+                                            hidden=item.hidden, output=item.output)
+        except Exception as exc:
+            results[j] = exc
+        return results
+
+    def _attend_item(self, session, layer: int, pos0: int, x, q, k, v) -> np.ndarray:
+        """One item's share of a layer: store its K/V rows, attend over its own context;
+        (T, dim) float32, as in `forward_chunk`."""
+        c, T = self.config, x.shape[0]
+        session.store_kv(layer, pos0, x, k, v)
+        q = q.reshape(T, c.n_kv_heads, c.group, c.head_dim)
+        return session.attend(layer, q, pos0 + T).reshape(T, c.dim)
+
+    def _batch_outputs(self, items, rows: Rows, x: np.ndarray, results: list) -> list:
+        """Output head over the wanted rows of every item still without a result."""
+        c, w = self.config, self.weights
+        wanted = [(j, r) for j, r in rows.output_rows(items) if results[j] is None]
+        if not wanted:
+            return results
+        h = rms_norm(x[np.concatenate([r for _, r in wanted])], w.output_norm, c.norm_eps)
+        logit_rows = np.concatenate([np.full(len(r), not items[j].hidden) for j, r in wanted])
+        logits = w.output.matmul(h[logit_rows]) if logit_rows.any() else None
+        a = b = 0  # a: row in h, b: row in logits
+        for j, r in wanted:
+            if items[j].hidden:
+                results[j] = h[a:a + len(r)]
+            else:
+                results[j] = logits[b:b + len(r)]
+                b += len(r)
+            a += len(r)
+        return results

@@ -1,8 +1,8 @@
 """The HTTP server: Ollama- and OpenAI-compatible APIs over one model, one scheduler thread.
 
   service.py    ServerConfig, Service (context checks, job submission) and Handle
-  scheduler.py  the worker thread: bounded queue, round-robin steps, release on cancel
-  jobs.py       generation (chunked prefill, one token per step) and embedding jobs
+  scheduler.py  the worker thread: bounded queue, batched steps, release on cancel
+  jobs.py       generation (prompt chunks, one token per step) and embedding jobs: plan, absorb
   params.py     request validation -> GenOptions (typed errors, never a 500)
   http.py       JSON bodies, error shapes, disconnect watching, streaming
   ollama_api.py / openai_api.py   the routes; card.py the model's names and metadata

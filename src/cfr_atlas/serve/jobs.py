@@ -1,12 +1,14 @@
 """Units of model work the scheduler steps: a generation and an embedding batch.
 
-A job is stepped by the scheduler's worker thread until `step()` returns True, then released
-once. A `GenerationJob` steps the same driver as `Model.stream` (`generate.Generation`): one
-prefill chunk per step (so other streams keep moving during a long prefill), then one token
-per step, with the same stop-text rule and phase timings. An
-`EmbeddingJob` also runs one chunk of DEFAULT_CHUNK tokens per step, so a long input delays the
-other streams by one chunk at a time, with the result bitwise `Model.embedding`'s. Results go
-to the event loop through the job's `Channel` as ("text", str), ("done", outcome) or
+A job is stepped by the scheduler's worker thread until a step reports it done, then released
+once. A step is `plan()` (the `BatchItem` the job feeds this step, or None), one batched
+forward pass over every active job's item, then `absorb()` (this job's result; True when
+done); `step()` runs one alone. A `GenerationJob` steps the same driver as `Model.stream`
+(`generate.Generation`): prompt chunks (so other streams keep moving during a long prefill),
+then one token per step, with the same stop-text rule and phase timings. An `EmbeddingJob`
+feeds one chunk of at most DEFAULT_CHUNK tokens per step, so a long input delays the other
+streams by one chunk at a time, with the result bitwise `Model.embedding`'s. Results go to the
+event loop through the job's `Channel` as ("text", str), ("done", outcome) or
 ("error", exception). This module knows nothing of HTTP, JSON or queues.
 """
 
@@ -21,6 +23,7 @@ import numpy as np
 
 from cfr_atlas.engine import mean_pool
 from cfr_atlas.generate import DEFAULT_CHUNK, Generation
+from cfr_atlas.models.batch import BatchItem
 from cfr_atlas.sampling import SamplingParams
 
 
@@ -76,7 +79,10 @@ class EmbedOutcome:
 
 
 class Job:
-    """Scheduled work: `step()` until it returns True, then `release()` exactly once."""
+    """Scheduled work: steps (`plan`, the pass, `absorb`) until one returns True, then
+    `release()` exactly once."""
+
+    prefilling = False  # True while the job feeds prompt-like chunks (capped per step)
 
     def __init__(self, channel: Channel):
         self.channel = channel
@@ -86,8 +92,22 @@ class Job:
     def cancelled(self) -> bool:
         return self.channel.cancelled.is_set()
 
-    def step(self) -> bool:
+    def plan(self, max_chunk: int | None = None) -> BatchItem | None:
+        """What the job feeds the model this step (a chunk of at most `max_chunk` tokens when
+        prefilling); None: no model work this step."""
+        return None
+
+    def absorb(self, result, seconds: float) -> bool:
+        """The planned item's result (None without a plan; an exception from the pass is
+        raised); `seconds`: the pass's wall time. True when the job is done."""
         raise NotImplementedError
+
+    def step(self) -> bool:
+        """One step alone: the plan as a batch of one."""
+        item = self.plan()
+        t0 = time.perf_counter()
+        result = None if item is None else item.session.model.forward_batch([item])[0]
+        return self.absorb(result, time.perf_counter() - t0)
 
     def release(self) -> None:
         """Free whatever the job holds (sessions, page files); safe after a failed step."""
@@ -111,10 +131,17 @@ class GenerationJob(Job):
         self._run: Generation | None = None
         self._started: float | None = None
 
-    def step(self) -> bool:
+    @property
+    def prefilling(self) -> bool:
+        return self._run is None or self._run.prefilling
+
+    def plan(self, max_chunk: int | None = None) -> BatchItem:
         if self._run is None:
             self._start()
-        event = self._run.step()
+        return self._run.plan(max_chunk)
+
+    def absorb(self, result, seconds: float) -> bool:
+        event = self._run.absorb(result, seconds)
         if event.text:
             self.channel.put("text", event.text)
         if event.finish_reason is None:
@@ -153,12 +180,14 @@ class GenerationJob(Job):
 
 
 class EmbeddingJob(Job):
-    """Embeds its inputs in turn, one chunk of DEFAULT_CHUNK tokens per step.
+    """Embeds its inputs in turn, one chunk of at most DEFAULT_CHUNK tokens per step.
 
-    Each input gets its own Session (`session_kw`: the request's K/V budget, cache salt) and
-    is split exactly as `Model.embedding` splits it; the pooled vector is `mean_pool` of the
-    same hidden states, so it is bitwise the same.
+    Each input gets its own Session (`session_kw`: the request's K/V budget, cache salt); the
+    hidden states are row-independent, so however the scheduler cuts the chunks they are those
+    of `Model.embedding`, and the pooled vector (`mean_pool`) is bitwise the same.
     """
+
+    prefilling = True
 
     def __init__(self, model, inputs: list[list[int]], channel: Channel,
                  session_kw: dict | None = None):
@@ -170,30 +199,35 @@ class EmbeddingJob(Job):
         self._hidden: list[np.ndarray] = []
         self._seconds = 0.0
 
-    def step(self) -> bool:
+    def plan(self, max_chunk: int | None = None) -> BatchItem:
+        """The next chunk of the current input (its session opened on its first chunk)."""
         t0 = time.perf_counter()
-        self._advance()
-        self._seconds += time.perf_counter() - t0
-        if len(self.vectors) < len(self.inputs):
-            return False
-        n = sum(len(ids) for ids in self.inputs)
-        self.channel.put("done", EmbedOutcome(self.vectors, n, self._seconds))
-        return True
-
-    def _advance(self) -> None:
-        """One chunk of the current input; pool and close its session after the last."""
         ids = np.asarray(self.inputs[len(self.vectors)], dtype=np.int64)
         if self._session is None:
             # sized to this input, so budgeted buffers are no larger than it needs
             self._session = self.model.session(**{"context_limit": len(ids), **self.session_kw})
         a = self._session.n_tokens
-        self._hidden.append(self.model.net.forward_chunk(
-            self._session, ids[a:a + DEFAULT_CHUNK], hidden=True))
-        if self._session.n_tokens < len(ids):
-            return
+        n = DEFAULT_CHUNK if max_chunk is None else min(DEFAULT_CHUNK, max_chunk)
+        self._seconds += time.perf_counter() - t0
+        return BatchItem(self._session, ids[a:a + n], all_logits=True, hidden=True)
+
+    def absorb(self, result, seconds: float) -> bool:
+        """Keep the chunk's hidden states; pool and close the input's session after its last
+        chunk; True after the last input."""
+        if isinstance(result, BaseException):
+            raise result
+        self._seconds += seconds
+        self._hidden.append(result)
+        if self._session.n_tokens < len(self.inputs[len(self.vectors)]):
+            return False
         self.vectors.append(mean_pool(np.concatenate(self._hidden)))
         self._hidden = []
         self.release()
+        if len(self.vectors) < len(self.inputs):
+            return False
+        n = sum(len(ids) for ids in self.inputs)
+        self.channel.put("done", EmbedOutcome(self.vectors, n, self._seconds))
+        return True
 
     def release(self) -> None:
         if self._session is not None:

@@ -2,8 +2,9 @@
 
 `RequestCounter` is ASGI middleware that counts responses by route and status at one point
 (the response start), so handlers carry no metrics code; the scheduler's `SchedulerStats`
-supply the rest. Paths outside the served routes share the label "other", so random URLs
-cannot grow the label set. This module does no model work.
+supply the rest: counters, gauges, and histograms of the batched steps (sequences and tokens
+per forward pass) and of the time requests wait for a slot. Paths outside the served routes
+share the label "other", so random URLs cannot grow the label set. This module does no model work.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+from cfr_atlas.serve.histogram import Histogram
 from cfr_atlas.serve.scheduler import SchedulerStats
 
 # (name, type, help, SchedulerStats field)
@@ -32,6 +34,15 @@ _SCHEDULER_METRICS = (
     ("cfr_atlas_queue_depth", "gauge", "Jobs waiting for a slot.", "queued"),
     ("cfr_atlas_resident_kv_bytes", "gauge", "K/V bytes resident in the active sessions' hot "
      "caches.", "resident_kv_bytes"),
+)
+
+# (name, help, SchedulerStats field)
+_HISTOGRAMS = (
+    ("cfr_atlas_batch_size", "Sequences in one batched forward pass.", "batch_sizes"),
+    ("cfr_atlas_batch_tokens", "Tokens (prompt chunks and decode tokens) in one batched "
+     "forward pass.", "batch_tokens"),
+    ("cfr_atlas_queue_seconds", "Seconds a request waited between submission and its first "
+     "step.", "queue_seconds"),
 )
 
 
@@ -78,4 +89,14 @@ def render(requests: dict[tuple[str, int], int], stats: SchedulerStats) -> str:
     for name, kind, help_text, field in _SCHEDULER_METRICS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
                   f"{name} {getattr(stats, field)}"]
+    for name, help_text, field in _HISTOGRAMS:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram",
+                  *_histogram_lines(name, getattr(stats, field))]
     return "\n".join(lines) + "\n"
+
+
+def _histogram_lines(name: str, h: Histogram) -> list[str]:
+    """Cumulative `_bucket{le=...}` lines, then `_sum` and `_count`."""
+    out = [f'{name}_bucket{{le="{"+Inf" if b == float("inf") else f"{b:g}"}"}} {n}'
+           for b, n in h.buckets()]
+    return out + [f"{name}_sum {h.total:.9g}", f"{name}_count {h.count}"]

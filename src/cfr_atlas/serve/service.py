@@ -38,8 +38,9 @@ class ServerConfig:
     kv_budget: int | str | None = None  # per-request budget and ceiling: bytes, or "10%" of
     # the full K/V at the model's context length; None: unbounded
     cache_dir: str | None = None  # page files of budgeted sessions; None: the user cache
-    max_active: int = 4  # sequences interleaved at once
+    max_active: int = 8  # sequences decoded together (one batched forward pass per step)
     max_queue: int = 16  # requests waiting beyond those; more -> 429
+    prefill_tokens: int = 256  # prompt / embedding tokens per batched step, across sequences
     max_tokens: int | None = None  # when a request sets no limit; None: until context is full
     retry_after: int = 1  # seconds, sent with 429
     max_body_bytes: int = 16 << 20
@@ -99,7 +100,8 @@ class Service:
         self.ceiling = None if config.kv_budget is None else resolve_kv_budget(
             config.kv_budget, full_kv_bytes(model.config, model.config.context_length))
         self.scheduler = Scheduler(max_active=config.max_active, max_queue=config.max_queue,
-                                   retry_after=config.retry_after)
+                                   retry_after=config.retry_after,
+                                   prefill_tokens=config.prefill_tokens)
         self.started = time.time()
 
     @property
