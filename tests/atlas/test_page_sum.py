@@ -35,11 +35,11 @@ def test_kernel_twin_and_incremental_agree(dtype, shape):
     assert int(page_checksum(k, v)) == whole
     # appended in two runs, as the page file does
     cut = n // 2
-    grown = (int(rows_delta(k_rows[:cut], v_rows[:cut], 0, P))
-             + int(rows_delta(k_rows[cut:], v_rows[cut:], cut, P))) & 0xFFFFFFFF
+    grown = (int(rows_delta(k_rows[:cut], v_rows[:cut], 0))
+             + int(rows_delta(k_rows[cut:], v_rows[cut:], cut))) & 0xFFFFFFFF
     assert grown == whole
     # clearing rows cut.. (a rewind) subtracts exactly their part
-    cleared = (whole - int(rows_delta(k_rows[cut:], v_rows[cut:], cut, P))) & 0xFFFFFFFF
+    cleared = (whole - int(rows_delta(k_rows[cut:], v_rows[cut:], cut))) & 0xFFFFFFFF
     k2, v2 = k.copy(), v.copy()
     k2[:, cut:], v2[cut:] = 0, 0
     assert cleared == page_checksum_numpy(k2, v2) == int(page_checksum(k2, v2))

@@ -317,8 +317,6 @@ def fold_pages_numpy(q, qpos, slabs, walk, span, score, state):
         part, n = gp // split, min(P, context - gp * P)
         k_page, v_page = slabs[2 * int(src[h, i])][slot[h, i]], slabs[2 * int(src[h, i]) + 1][
             slot[h, i]]
-        if src[h, i] == SRC_MAP and page_checksum_numpy(k_page, v_page) != int(expect[h, i]):
-            bad[h, i] = 1
         kf = widen(np.ascontiguousarray(k_page[:, :n].T), dtype)
         vf = widen(v_page[:n], dtype)
         keypos = gp * P + np.arange(n)
@@ -337,6 +335,10 @@ def fold_pages_numpy(q, qpos, slabs, walk, span, score, state):
             l[t, h, part] = l[t, h, part] * corr + p.sum(axis=1)
             acc[t, h, part] = acc[t, h, part] * corr[:, None] + p @ vf.astype(np.float64)
             m[t, h, part] = m_new
+            # verified as the kernel does: by the page's last reader, so only pages read
+            if src[h, i] == SRC_MAP and _last_reader.py_func(t, qpos, window, gp * P + n - 1) \
+                    and page_checksum_numpy(k_page, v_page) != int(expect[h, i]):
+                bad[h, i] = 1
 
 
 def merge_partitions_numpy(m, l, acc, sinks, out):

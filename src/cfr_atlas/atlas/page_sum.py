@@ -86,7 +86,7 @@ def _as_bits_ov(a):
 
 
 @njit(cache=True, inline="always")
-def row_delta(k_row, v_row, j, page_tokens):
+def row_delta(k_row, v_row, j):
     """Checksum change when token j of a page goes from zero to k_row / v_row (D,) (storage
     dtype, contiguous); minus it when it goes back to zero. uint32, mod 2**32."""
     d = k_row.shape[0]
@@ -103,12 +103,11 @@ def row_delta(k_row, v_row, j, page_tokens):
 
 
 @njit(cache=True)
-def rows_delta(k_rows, v_rows, j0, page_tokens):
+def rows_delta(k_rows, v_rows, j0):
     """`row_delta` summed over tokens j0.. of rows (T, D): uint32."""
     s = np.uint64(0)
     for t in range(k_rows.shape[0]):
-        s += row_delta(np.ascontiguousarray(k_rows[t]), np.ascontiguousarray(v_rows[t]), j0 + t,
-                       page_tokens)
+        s += row_delta(np.ascontiguousarray(k_rows[t]), np.ascontiguousarray(v_rows[t]), j0 + t)
     return _u32(s)
 
 

@@ -224,18 +224,25 @@ class Atlas:
         A page becomes resident only from its first token (a page whose earlier rows are not
         resident is left to regeneration); a resident partial page grows in place.
         """
-        cfg = self.config
+        k_st, v_st = self.stored_rows(_check_index("start_token", start_token), k_rows, v_rows)
+        return self.write_stored(layer, start_token, k_st, v_st, policy, kv_heads)
+
+    def write_stored(self, layer: int, start_token: int, k_st: np.ndarray, v_st: np.ndarray,
+                     policy=None, kv_heads=None) -> tuple[np.ndarray, np.ndarray]:
+        """`write_rows` for rows `stored_rows` returned (checked and rounded once, e.g. by a
+        session that hands the same rows to its page file first)."""
         layer = _check_index("layer", layer, 1 << 20)
         start = _check_index("start_token", start_token)
-        self.check_rows(start, k_rows, v_rows)
-        heads = list(range(k_rows.shape[1])) if kv_heads is None else [
+        if k_st.dtype != self.config.dtype.array_dtype or k_st.shape != v_st.shape:
+            raise DimensionError(f"stored rows must be {self.config.dtype.array_dtype} of one "
+                                 f"shape, got {k_st.dtype} {k_st.shape} and {v_st.shape}")
+        heads = list(range(k_st.shape[1])) if kv_heads is None else [
             _check_index("kv_head", h, 1 << 16) for h in kv_heads]
-        if len(heads) != k_rows.shape[1]:
+        if len(heads) != k_st.shape[1]:
             raise DimensionError(f"kv_heads names {len(heads)} heads but the rows hold "
-                                 f"{k_rows.shape[1]}")
-        k_st, v_st = round_rows(k_rows, cfg.dtype), round_rows(v_rows, cfg.dtype)
+                                 f"{k_st.shape[1]}")
         policy = KeepAll() if policy is None else policy
-        context = start + k_rows.shape[0]
+        context = start + k_st.shape[0]
         self._tick += 1
         self._last = Counters(calls=1)
         if self._append_in_place(layer, heads, start, k_st, v_st):
@@ -252,10 +259,12 @@ class Atlas:
         self._total.add(self._last)
         return k_st, v_st
 
-    def check_rows(self, start: int, k_rows: np.ndarray, v_rows: np.ndarray) -> None:
-        """Rows (T, H, D) f32 that may be stored: shapes, finite, and finite once rounded to
-        the storage dtype (callers writing elsewhere first, like a page file, check here)."""
-        cfg = self.config
+    def stored_rows(self, start: int, k_rows: np.ndarray,
+                    v_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows (T, H, D) f32 checked (shapes, finite, finite once rounded) and returned rounded
+        to the storage dtype: what any later read sees. Callers writing elsewhere first, like a
+        page file, take the rows from here, so they are checked and rounded once."""
+        cfg, out = self.config, []
         for name, rows in (("k_rows", k_rows), ("v_rows", v_rows)):
             if not isinstance(rows, np.ndarray) or rows.ndim != 3 or rows.shape[2] != cfg.head_dim \
                     or rows.shape != k_rows.shape:
@@ -263,8 +272,10 @@ class Atlas:
                                      f"got {getattr(rows, 'shape', None)}")
             if not np.isfinite(rows).all():
                 raise NumericError(f"{name} for tokens from {start} are not finite")
-            if _overflows(round_rows(rows, cfg.dtype), cfg.dtype):
+            out.append(round_rows(rows, cfg.dtype))
+            if _overflows(out[-1], cfg.dtype):
                 raise NumericError(f"rows for tokens from {start} overflow {cfg.storage_dtype}")
+        return out[0], out[1]
 
     def _append_in_place(self, layer, heads, start, k_st, v_st) -> bool:
         """The decode fast path (see `HotCache.append`); False when it does not apply."""
@@ -396,16 +407,7 @@ class Atlas:
             slots[hi, pi] = n_scr
             n_scr += 1
         t_fold += self._flush(begin, src.size, *fold_args)
-        if bad.any():
-            hi, pi = (int(x[0]) for x in np.nonzero(bad))
-            raise CorruptPageError(f"{PageKey(layer, heads[hi], int(starts[pi]))}: checksum "
-                                   f"mismatch in the mapped page (what the fold read is not "
-                                   f"what was written)")
-        if maps is not None:
-            mapped = src == fold.SRC_MAP
-            c.regenerations += int(mapped.sum())
-            c.bytes_mapped = int((lens * mapped).sum()) * cfg.row_bytes
-            c.bytes_regenerated += c.bytes_mapped
+        self._check_walk(layer, heads, starts, lens, src, bad)
         c.hot_hits += int(hot.sum())
         t0 = time.perf_counter()
         result = out if out is not None else np.empty(q.shape, dtype=np.float32)
@@ -414,6 +416,21 @@ class Atlas:
         c.pages_folded += n_head * n_pg
         c.tokens_consumed += int(lens.sum()) * n_head
         return result
+
+    def _check_walk(self, layer, heads, starts, lens, src, bad) -> None:
+        """After the walk, before its result is used: a mapped page whose checksum did not
+        match raises; mapped pages are counted as regenerated, with their bytes."""
+        if bad.any():
+            hi, pi = (int(x[0]) for x in np.nonzero(bad))
+            raise CorruptPageError(f"{PageKey(layer, heads[hi], int(starts[pi]))}: checksum "
+                                   f"mismatch in the mapped page (what the fold read is not "
+                                   f"what was written)")
+        mapped = src == fold.SRC_MAP
+        c = self._last
+        c.regenerations += int(mapped.sum())
+        mapped_bytes = int((lens * mapped).sum()) * self.config.row_bytes
+        c.bytes_mapped += mapped_bytes
+        c.bytes_regenerated += mapped_bytes
 
     def _map_misses(self, backend, layer, hidx, lo, lens, hot, src, slots):
         """Point the misses the backend holds mapped at its slabs (src SRC_MAP); None if it

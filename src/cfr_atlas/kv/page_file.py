@@ -107,7 +107,7 @@ def _write_rows(k_map, v_map, tokens, sums, slot0, pos0, k_st, v_st):
             have = tokens[s]
             if have > j:  # rewind: rows j.. go back to zero
                 sums[s] -= rows_delta(np.ascontiguousarray(k_map[s, :, j:have].T),
-                                      np.ascontiguousarray(v_map[s, j:have]), j, p_tok)
+                                      np.ascontiguousarray(v_map[s, j:have]), j)
                 k_map[s, :, j:have] = 0
                 v_map[s, j:have] = 0
                 tokens[s] = have = j
@@ -115,7 +115,7 @@ def _write_rows(k_map, v_map, tokens, sums, slot0, pos0, k_st, v_st):
                 return h * (1 << 32) + page
             k_map[s, :, j] = k_st[t, h]
             v_map[s, j] = v_st[t, h]
-            sums[s] += row_delta(k_st[t, h], v_st[t, h], j, p_tok)
+            sums[s] += row_delta(k_st[t, h], v_st[t, h], j)
             tokens[s] = j + 1
     return -1
 
@@ -184,9 +184,12 @@ class SpillKv:
 
     # --- the regenerator's side of the session (shared with RecomputeKv, BlockSource) ---------
     def record(self, layer: int, pos0: int, x, k: np.ndarray, v: np.ndarray) -> None:
-        """Fresh rows k, v (T, n_kv, hd) float32 of tokens pos0..: stored rounded to the
-        storage dtype (x, the layer input, is not needed here)."""
-        self._write(layer, pos0, round_rows(k, self.dtype), round_rows(v, self.dtype))
+        """Fresh rows k, v (T, n_kv, hd) of tokens pos0.., in the storage dtype (as the Atlas's
+        `stored_rows` gives them) or float32, then rounded here (x, the layer input, is not
+        needed)."""
+        if k.dtype != self.dtype.array_dtype or v.dtype != self.dtype.array_dtype:
+            k, v = round_rows(k, self.dtype), round_rows(v, self.dtype)
+        self._write(layer, pos0, np.ascontiguousarray(k), np.ascontiguousarray(v))
 
     def record_block(self, layer: int, pos0: int, k_st: np.ndarray, v_st: np.ndarray) -> None:
         """Rows already in storage dtype, (n_kv, T, hd), e.g. a mapped prefix block's."""

@@ -97,10 +97,15 @@ class BlockSource:
     def allocations(self) -> dict[str, int]:
         return {**self.rest.allocations(), "prefix_blocks": held_bytes(self.blocks)}
 
+    def table_bytes(self) -> int:
+        return self.rest.table_bytes()
+
+    @property
+    def bytes_read(self) -> int:
+        return self.rest.bytes_read
+
     def close(self) -> None:
-        close = getattr(self.rest, "close", None)
-        if close:
-            close()
+        self.rest.close()
 
 
 def check_salt(cache_salt) -> str:

@@ -75,6 +75,15 @@ class RecomputeKv:
         return sum(a.nbytes for a in self.inputs.values())
 
     keeps_mapped_blocks = True  # no layer inputs for mapped tokens: the session keeps the blocks
+    bytes_read = 0  # reads no file
+
+    def table_bytes(self) -> int:
+        """No page tables: the kept inputs are counted by `allocations`."""
+        return 0
+
+    def close(self) -> None:
+        self.inputs.clear()
+        self.n_tokens.clear()
 
     def record(self, layer: int, pos0: int, x: np.ndarray, k, v) -> None:
         """Fresh rows of tokens pos0..: keep their layer input x (T, dim); K/V are rebuilt."""

@@ -109,9 +109,16 @@ def fixed_kv_bytes(config, *, regenerator: str = "spill", page_tokens: int = 256
 
 
 class _NoRegenerator:
-    """Unbounded sessions keep every row resident; a regeneration request is a bug."""
+    """Unbounded sessions keep every row resident; a regeneration request is a bug.
+
+    Also the shape of every session regenerator (SpillKv, RecomputeKv, BlockSource): the Atlas's
+    `regenerate_page` (and optionally `map_pages`), plus `record` / `record_block` of fresh or
+    mapped rows, `allocations()` and `table_bytes()` of what it holds, `bytes_read` from a file
+    outside the fold's mapping, `keeps_mapped_blocks`, and `close()`.
+    """
 
     keeps_mapped_blocks = False  # mapped rows go to the (unbounded) hot cache
+    bytes_read = 0
 
     def record(self, layer, pos0, x, k, v) -> None:
         """Nothing to keep: every row stays in the hot cache."""
@@ -121,6 +128,12 @@ class _NoRegenerator:
 
     def allocations(self) -> dict[str, int]:
         return {}
+
+    def table_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        """Nothing held outside the hot cache."""
 
     def regenerate_page(self, key: PageKey, tokens, k_out, v_out):
         raise RegeneratorError(key, "unbounded session has no regenerator (page not resident)")
@@ -242,9 +255,9 @@ class Session:
     def store_kv(self, layer: int, pos0: int, x: np.ndarray, k: np.ndarray, v: np.ndarray):
         """Rows k, v (T, n_kv, hd) f32 of tokens pos0.. : the regenerator's copy first (so a full
         disk fails before the hot cache changes), then the hot cache as the policy allows."""
-        self.atlas.check_rows(pos0, k, v)  # nothing non-finite reaches the page file either
-        self.backend.record(layer, pos0, x, k, v)
-        self.atlas.write_rows(layer, pos0, k, v, self.policy)
+        k_st, v_st = self.atlas.stored_rows(pos0, k, v)  # checked and rounded once, for both
+        self.backend.record(layer, pos0, x, k_st, v_st)
+        self.atlas.write_stored(layer, pos0, k_st, v_st, self.policy)
 
     def attend(self, layer: int, q: np.ndarray, context: int) -> np.ndarray:
         """q (T, n_kv, group, hd) -> (T, n_kv, group, hd) over the whole causal context."""
@@ -274,8 +287,8 @@ class Session:
             "allocated_kv_bytes": sum(alloc.values()),
             "peak_allocated_kv_bytes": self._peak_allocated,
             "allocated_kv_by_category": alloc,
-            "kv_table_bytes": t.table_bytes + getattr(self.backend, "table_bytes", int)(),
-            "page_file_bytes_read": t.total.bytes_mapped + getattr(self.backend, "bytes_read", 0),
+            "kv_table_bytes": t.table_bytes + self.backend.table_bytes(),
+            "page_file_bytes_read": t.total.bytes_mapped + self.backend.bytes_read,
             "full_kv_bytes": self.n_tokens * c.kv_bytes_per_token(self.atlas.config.dtype.itemsize),
             "pages_regenerated": t.total.regenerations,
             "prompt_cached_tokens": self.cached_tokens,
@@ -287,6 +300,4 @@ class Session:
     def close(self) -> None:
         """Release the sequence: hot pages, page file, kept inputs, held blocks."""
         self.atlas.reset()
-        close = getattr(self.backend, "close", None)
-        if close:
-            close()
+        self.backend.close()
