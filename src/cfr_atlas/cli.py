@@ -262,6 +262,10 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     commands = {"generate": _generate, "chat": _chat, "inspect": _inspect, "validate": _validate,
                 "serve": _serve}
+    if args.cmd != "inspect":  # commands that run kernels: a cold numba cache says so
+        from cfr_atlas.jit_progress import report_compiles
+
+        report_compiles()
     try:
         return commands[args.cmd](args) or 0
     except AtlasError as e:
