@@ -196,37 +196,54 @@ def _row_generic(builder, w, x, unsigned):
     return builder.call(fn, [prod])
 
 
-def _dot8(load_row, unsigned):
-    """An intrinsic dot8(w, wo, x, xo, out, oo): out[oo + r] = sum_j W_r[j] * x[xo + j] for the
-    8 rows r whose blocks load_row reads from w at wo (unsigned: weights 0..255, else int8)."""
+def _dot8_one(builder, rows, xv, unsigned):
+    """8 loaded weight rows (<32 x i8> each) times one activation block -> <8 x i32>."""
+    if AVX2:
+        v8 = xv.type
+        if unsigned:
+            parts = [_pairs_avx2(builder, w, xv) for w in rows]
+        else:  # |w| x (x with w's sign): the unsigned x signed instruction, exactly
+            parts = [_pairs_avx2(builder, _x86(builder, "llvm.x86.avx2.psign.b", v8, w, w),
+                                 _x86(builder, "llvm.x86.avx2.psign.b", v8, xv, w))
+                     for w in rows]
+        return _rows_avx2(builder, parts)
+    res = ir.Constant(ir.VectorType(ir.IntType(32), GROUP), None)
+    for r, w in enumerate(rows):
+        res = builder.insert_element(res, _row_generic(builder, w, xv, unsigned),
+                                     ir.Constant(ir.IntType(32), r))
+    return res
+
+
+def _dot8(load_row, unsigned, tokens):
+    """An intrinsic dot8(w, wo, x, xo, out, oo[, u, uo, out_u]): out[oo + r] = sum_j W_r[j] *
+    x[xo + j] for the 8 rows r whose blocks load_row reads from w at wo (unsigned: weights
+    0..255, else int8); with tokens=2 also out_u[oo + r] for u[uo:], the rows loaded once."""
+
+    def codegen(context, builder, sig, args):
+        v8, i32 = ir.VectorType(ir.IntType(8), QK), ir.VectorType(ir.IntType(32), GROUP)
+        rows = [load_row(context, builder, sig.args[0], args[0], args[1], r)
+                for r in range(GROUP)]
+        # (activation array, offset, output array) per token; the outputs share offset oo
+        for xa, xo, oa in ((2, 3, 4), (6, 7, 8))[:tokens]:
+            xv = builder.load(_ptr(context, builder, sig.args[xa], args[xa], args[xo], v8),
+                              align=1)
+            res = _dot8_one(builder, rows, xv, unsigned)
+            builder.store(res, _ptr(context, builder, sig.args[oa], args[oa], args[5], i32),
+                          align=4)
+        return context.get_dummy_value()
+
+    if tokens == 1:
+        @intrinsic
+        def dot8(typingctx, w, wo, x, xo, out, oo):
+            return types.void(w, wo, x, xo, out, oo), codegen
+
+        return dot8
 
     @intrinsic
-    def dot8(typingctx, w, wo, x, xo, out, oo):
-        def codegen(context, builder, sig, args):
-            v8, i32 = ir.VectorType(ir.IntType(8), QK), ir.VectorType(ir.IntType(32), GROUP)
-            xv = builder.load(_ptr(context, builder, sig.args[2], args[2], args[3], v8), align=1)
-            rows = [load_row(context, builder, sig.args[0], args[0], args[1], r)
-                    for r in range(GROUP)]
-            if AVX2:
-                if unsigned:
-                    parts = [_pairs_avx2(builder, w, xv) for w in rows]
-                else:  # |w| x (x with w's sign): the unsigned x signed instruction, exactly
-                    sign = [_x86(builder, "llvm.x86.avx2.psign.b", v8, xv, w) for w in rows]
-                    absw = [_x86(builder, "llvm.x86.avx2.psign.b", v8, w, w) for w in rows]
-                    parts = [_pairs_avx2(builder, a, s) for a, s in zip(absw, sign, strict=True)]
-                res = _rows_avx2(builder, parts)
-            else:
-                res = ir.Constant(i32, None)
-                for r, w in enumerate(rows):
-                    res = builder.insert_element(res, _row_generic(builder, w, xv, unsigned),
-                                                 ir.Constant(ir.IntType(32), r))
-            builder.store(res, _ptr(context, builder, sig.args[4], args[4], args[5], i32),
-                          align=4)
-            return context.get_dummy_value()
+    def dot8x2(typingctx, w, wo, x, xo, out, oo, u, uo, out_u):
+        return types.void(w, wo, x, xo, out, oo, u, uo, out_u), codegen
 
-        return types.void(w, wo, x, xo, out, oo), codegen
-
-    return dot8
+    return dot8x2
 
 
 def _load_int8_row(context, builder, ary_t, ary, off, r):
@@ -247,5 +264,7 @@ def _load_nibble_row(context, builder, ary_t, ary, off, r):
     return builder.shuffle_vector(lo, hi, order)
 
 
-dot8_int8 = _dot8(_load_int8_row, unsigned=False)
-dot8_nibbles = _dot8(_load_nibble_row, unsigned=True)
+dot8_int8 = _dot8(_load_int8_row, unsigned=False, tokens=1)
+dot8_nibbles = _dot8(_load_nibble_row, unsigned=True, tokens=1)
+dot8x2_int8 = _dot8(_load_int8_row, unsigned=False, tokens=2)
+dot8x2_nibbles = _dot8(_load_nibble_row, unsigned=True, tokens=2)

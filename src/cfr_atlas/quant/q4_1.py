@@ -218,26 +218,45 @@ def int_unpack_rows(tiles: IntTiles, ids: np.ndarray | slice,
     return _values(d, m, q, np.empty(q.shape, dtype=np.float32) if out is None else out)
 
 
+@njit(cache=True, inline="always")
+def _int_add(acc, d, m, b, xd, sx, isum):
+    """acc (R,) += block b's terms: (d_b * d_x) * isum_b + m_b * sx per row, sx = d_x xsum_b."""
+    for r in range(R):
+        k = b * R + r
+        acc[r] += (d[k] * xd) * np.float32(isum[r]) + m[k] * sx
+
+
 @njit(parallel=True, cache=True)
 def _int_kernel(xq, xd, xsum, q, d, m, out):
-    """xq (T, K) int8, xd, xsum (T, nb), block tiles q, d, m -> out (T, N)."""
+    """xq (T, K) int8, xd, xsum (T, nb), block tiles q, d, m -> out (T, N); tokens in pairs."""
     T, K = xq.shape
-    N = out.shape[1]
+    N, G = out.shape[1], int8.GROUP
+    sx = xd * xsum.astype(np.float32)  # (T, nb): llama.cpp's q8_1 s = d * sum(q)
     for i in prange(q.shape[0]):
-        acc = np.empty(R, dtype=np.float32)
-        isum = np.empty(R, dtype=np.int32)
+        acc, acc_u = np.empty(R, dtype=np.float32), np.empty(R, dtype=np.float32)
+        isum, isum_u = np.empty(R, dtype=np.int32), np.empty(R, dtype=np.int32)
         n0 = i * R
         lanes = min(R, N - n0)
-        for t in range(T):
+        for t in range(0, T - 1, 2):
+            acc[:] = 0
+            acc_u[:] = 0
+            for b in range(K // QK):
+                o, k0 = b * R * HALF, b * QK
+                int8.dot8x2_nibbles(q[i], o, xq[t], k0, isum, 0, xq[t + 1], k0, isum_u)
+                int8.dot8x2_nibbles(q[i], o + G * HALF, xq[t], k0, isum, G, xq[t + 1], k0,
+                                    isum_u)
+                _int_add(acc, d[i], m[i], b, xd[t, b], sx[t, b], isum)
+                _int_add(acc_u, d[i], m[i], b, xd[t + 1, b], sx[t + 1, b], isum_u)
+            out[t, n0:n0 + lanes] = acc[:lanes]
+            out[t + 1, n0:n0 + lanes] = acc_u[:lanes]
+        if T % 2:
+            t = T - 1
             acc[:] = 0
             for b in range(K // QK):
-                o = b * R * HALF
-                int8.dot8_nibbles(q[i], o, xq[t], b * QK, isum, 0)
-                int8.dot8_nibbles(q[i], o + int8.GROUP * HALF, xq[t], b * QK, isum, int8.GROUP)
-                sx = xd[t, b] * np.float32(xsum[t, b])
-                for r in range(R):
-                    k = b * R + r
-                    acc[r] += (d[i, k] * xd[t, b]) * np.float32(isum[r]) + m[i, k] * sx
+                o, k0 = b * R * HALF, b * QK
+                int8.dot8_nibbles(q[i], o, xq[t], k0, isum, 0)
+                int8.dot8_nibbles(q[i], o + G * HALF, xq[t], k0, isum, G)
+                _int_add(acc, d[i], m[i], b, xd[t, b], sx[t, b], isum)
             out[t, n0:n0 + lanes] = acc[:lanes]
 
 
