@@ -217,3 +217,21 @@ def test_integer_simd_in_assembly(qtype):
     asm = fresh.inspect_asm(sig)
     for op in ("vpmaddubsw", "vpmaddwd"):
         assert re.search(rf"\b{op}\b", asm), op
+
+
+# --- load-time layouts -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 100])
+def test_nibble_tiles_equal_unpack_then_tile(n):
+    """The float path's one-pass nibble repack == unpack, then to_tiles (Q4_1 and Q4_0)."""
+    from cfr_atlas.quant.tiles import to_tiles
+
+    raw = edge_raw(QType.Q4_1, n, 96, seed=n)
+    assert_array_same(q4_1.repack(raw).q, to_tiles(q4_1._fields(raw)[2]))
+    raw = edge_raw(QType.Q4_0, n, 96, seed=n)
+    assert_array_same(q4_0.repack(raw).q, to_tiles(q4_0._fields(raw)[1]))
+
+
+def assert_array_same(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)

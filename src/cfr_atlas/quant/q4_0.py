@@ -19,7 +19,7 @@ from numba import njit, prange
 
 from cfr_atlas.quant import int8, q8_0
 from cfr_atlas.quant.formats import BLOCKS, Codec, QType
-from cfr_atlas.quant.tiles import TILE_ROWS, gather_rows, to_tiles
+from cfr_atlas.quant.tiles import TILE_ROWS, gather_rows, nibble_tiles, to_tiles
 
 QK = BLOCKS[QType.Q4_0].elements
 BLOCK = np.dtype([("d", "<f2"), ("qs", "u1", (QK // 2,))])
@@ -48,8 +48,9 @@ def dequantize(raw: np.ndarray) -> np.ndarray:
 
 def repack(raw: np.ndarray) -> q8_0.Tiles:
     """raw (N, row_bytes) uint8 -> q8_0.Tiles of q - 8: 1 byte per weight plus the scales."""
-    d, q = _fields(raw)
-    return q8_0.Tiles(to_tiles(q), to_tiles(d))
+    blocks = np.ascontiguousarray(raw).view(BLOCK)
+    d = blocks["d"].astype(np.float32)
+    return q8_0.Tiles(nibble_tiles(blocks["qs"], int(OFFSET), np.int8), to_tiles(d))
 
 
 CODEC = Codec(QType.Q4_0, np.dtype(np.uint8), dequantize, repack, q8_0.unpack_rows, q8_0.matmul,

@@ -19,7 +19,15 @@ from numba import njit, prange
 
 from cfr_atlas.quant import int8
 from cfr_atlas.quant.formats import BLOCKS, Codec, QType
-from cfr_atlas.quant.tiles import PHASES, TILE_ROWS, gather_rows, phase_sum, phase_view, to_tiles
+from cfr_atlas.quant.tiles import (
+    PHASES,
+    TILE_ROWS,
+    gather_rows,
+    nibble_tiles,
+    phase_sum,
+    phase_view,
+    to_tiles,
+)
 
 QK = BLOCKS[QType.Q4_1].elements
 BLOCK = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (QK // 2,))])
@@ -67,8 +75,9 @@ def dequantize(raw: np.ndarray) -> np.ndarray:
 
 def repack(raw: np.ndarray) -> Tiles:
     """raw (N, row_bytes) uint8 -> Tiles: 1 byte per weight plus 8 bytes of scales per block."""
-    d, m, q = _fields(raw)
-    return Tiles(to_tiles(q), to_tiles(d), to_tiles(m))
+    blocks = np.ascontiguousarray(raw).view(BLOCK)
+    d, m = blocks["d"].astype(np.float32), blocks["m"].astype(np.float32)
+    return Tiles(nibble_tiles(blocks["qs"]), to_tiles(d), to_tiles(m))
 
 
 def unpack_rows(tiles: Tiles, ids: np.ndarray | slice,
