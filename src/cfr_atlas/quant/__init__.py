@@ -3,7 +3,8 @@
 `QType` (GGML ids) and `BLOCKS` (block elements, block bytes) describe the formats; `QuantWeight`
 holds one matrix repacked into row tiles and offers matvec / matmul / dequantize / rows, batch
 invariant bit for bit. One module per format (q8_0, q4_0, q4_1, floats) holds its byte layout,
-dequantizer, repack, numba kernel and NumPy twin; tiles.py states the layout and reduction order.
+dequantizer, repack, numba kernel and NumPy twin; tiles.py states the layout and reduction order;
+int8.py the integer path (activations quantized per block, `QuantWeight.from_raw(arithmetic=)`).
 This package imports nothing of cfr_atlas but `cfr_atlas.errors`.
 """
 

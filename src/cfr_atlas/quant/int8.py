@@ -23,6 +23,9 @@ bytes of each row's block contiguously: tile[(b * TILE_ROWS + r) * BYTES + j]; B
 int8 weights, 16 for 4-bit weights kept packed as in GGUF (low nibbles q[0..15], high q[16..31]).
 
 Not here: the per-format terms and repacks (the format modules), shape checks (weight.py).
+Caching caveat: numba's cache=True stamps a kernel with its own source file only, so after an
+edit of the intrinsics here, touch q8_0.py, q4_0.py and q4_1.py (or clear their __pycache__)
+or their cached kernels keep the old code.
 """
 
 from __future__ import annotations
