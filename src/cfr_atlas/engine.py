@@ -30,7 +30,8 @@ def load_model(path: str | os.PathLike | None = None, *,
 
     matmul: "float" (float32 activations times the dequantized weights) or "int8" (activations
     quantized to int8 per 32-element block, integer block dots, as llama.cpp; Q4_0, Q4_1 and
-    Q8_0 weights, other formats stay float). Both are batch invariant bit for bit.
+    Q8_0 layer weights; other formats and the output head stay float). Both are batch
+    invariant bit for bit.
 
     prefix_cache: a folder for the persistent prefix cache (True: the per-user default,
     ~/.cache/cfr-atlas/prefix); prompts that start with cached whole blocks skip recomputing

@@ -193,14 +193,16 @@ def _matmul(w, x: np.ndarray) -> np.ndarray:
 
 class LlamaWeights:
     """All weights of a Llama-family model, quantized as stored in the GGUF; matmul names the
-    arithmetic of their products ("float" or "int8", see cfr_atlas.quant.weight.ARITHMETIC)."""
+    arithmetic of the layers' products ("float" or "int8", see quant.weight.ARITHMETIC). The
+    embedding and output head stay float: an int8 head cost argmax agreement with HF (96.9%
+    against 97.2% over 900 positions, measured), and prefill runs the head on one row only."""
 
     def __init__(self, gf: GGUFFile, cfg: LlamaConfig, matmul: str = "float"):
-        self.embed = _weight(gf, "token_embd.weight", matmul)
+        self.embed = _weight(gf, "token_embd.weight", "float")
         if self.embed.shape != (cfg.vocab_size, cfg.dim):
             raise ModelFormatError(f"token_embd.weight is {self.embed.shape}, expected "
                                    f"({cfg.vocab_size}, {cfg.dim})")
-        self.output = (_weight(gf, "output.weight", matmul) if "output.weight" in gf.tensors
+        self.output = (_weight(gf, "output.weight", "float") if "output.weight" in gf.tensors
                        else self.embed)
         self.output_norm = gf.tensor_f32("output_norm.weight")
         self.layers = [_Layer(gf, cfg, i, matmul) for i in range(cfg.n_layers)]
