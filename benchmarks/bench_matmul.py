@@ -1,11 +1,12 @@
 """Quantized matvec / matmul throughput at real model shapes, against a BLAS baseline.
 
-For each format and (N, K) it prints matvec in G weights/s and GB/s of weight bytes as the GGUF
-file stores them (block bytes / block elements: 0.5625 per weight for Q4_K, 0.625 for Q4_1),
-matmul of T tokens in tokens/s and G weights/s, and the baseline "dequantize into a reused
-float32 buffer, then NumPy BLAS" (W @ x, X @ W.T), with ratios (> 1 means the quantized kernel
-is faster). The baseline is not batch invariant; it is only a yardstick. --shapes qwen and
---shapes gemma give the Qwen2.5-0.5B and Gemma 3 270M matrix shapes.
+For each format, matmul arithmetic (--matmul: float, int8) and (N, K) it prints matvec in
+G weights/s and GB/s of weight bytes as the GGUF file stores them (block bytes / block elements:
+0.5625 per weight for Q4_K, 0.625 for Q4_1), matmul of T tokens in tokens/s and G weights/s, and
+the baseline "dequantize into a reused float32 buffer, then NumPy BLAS" (W @ x, X @ W.T), with
+ratios (> 1 means the quantized kernel is faster). The baseline is not batch invariant; it is
+only a yardstick. --shapes qwen and --shapes gemma give the Qwen2.5-0.5B and Gemma 3 270M matrix
+shapes. Formats without an integer path run their float kernel under --matmul int8.
 
 Method: calls run in batches of at least --batch seconds; a batch's time per call is its mean.
 Kernel and baseline batches alternate, each after --settle untimed seconds so that the other
@@ -29,19 +30,20 @@ import time
 import numba
 import numpy as np
 
-from cfr_atlas.quant import BLOCKS, QType, QuantWeight, kquants, q4_1, q5, q8_0
+from cfr_atlas.quant import BLOCKS, QType, QuantWeight, kquants, q4_0, q4_1, q5, q8_0
 
 SHAPES = {
     "bundled": [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)],
     "qwen": [(896, 896), (128, 896), (4864, 896), (896, 4864)],  # Qwen2.5-0.5B
     "gemma": [(1024, 640), (640, 1024), (2048, 640), (640, 2048)],  # Gemma 3 270M
 }
-BLOCK_DTYPES = {QType.Q4_1: q4_1.BLOCK, QType.Q8_0: q8_0.BLOCK, **q5.BLOCK_DTYPES,
-                **kquants.BLOCK_DTYPES}
+BLOCK_DTYPES = {QType.Q4_0: q4_0.BLOCK, QType.Q4_1: q4_1.BLOCK, QType.Q8_0: q8_0.BLOCK,
+                **q5.BLOCK_DTYPES, **kquants.BLOCK_DTYPES}
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def random_weight(qtype: QType, n: int, k: int, rng: np.random.Generator) -> QuantWeight:
+def random_weight(qtype: QType, n: int, k: int, rng: np.random.Generator,
+                  arithmetic: str = "float") -> QuantWeight:
     """Random but realistic blocks (small f16 scales, full-range quants and packed scales) built
     directly as bytes; Q4_1's minimum is -8 d."""
     dtype = BLOCK_DTYPES[qtype]
@@ -51,7 +53,8 @@ def random_weight(qtype: QType, n: int, k: int, rng: np.random.Generator) -> Qua
         blocks[field] = rng.uniform(1e-3, 1e-2, blocks.shape).astype(np.float16)
     if "m" in dtype.names:
         blocks["m"] = (-8 * blocks["d"].astype(np.float32)).astype(np.float16)
-    return QuantWeight.from_raw(f"{qtype.name} {n}x{k}", qtype, raw, (n, k))
+    return QuantWeight.from_raw(f"{qtype.name} {n}x{k}", qtype, raw, (n, k),
+                                arithmetic=arithmetic)
 
 
 def cpu_seconds() -> tuple[float, float]:
@@ -100,9 +103,9 @@ def warm_up(seconds: float) -> None:
 class Case:
     """One weight with its inputs, buffers and the batches collected over all passes."""
 
-    def __init__(self, w: QuantWeight, tokens: int, rng: np.random.Generator):
+    def __init__(self, w: QuantWeight, tokens: int, rng: np.random.Generator, arithmetic: str):
         n, k = w.shape
-        self.w, self.tokens = w, tokens
+        self.w, self.tokens, self.arithmetic = w, tokens, arithmetic
         self.x = rng.standard_normal(k).astype(np.float32)
         self.X = rng.standard_normal((tokens, k)).astype(np.float32)
         self.y = np.empty(n, dtype=np.float32)
@@ -143,8 +146,8 @@ class Case:
         gb = gw * BLOCKS[self.w.qtype].bytes / BLOCKS[self.w.qtype].elements
         tok, tok_b = self.tokens / mm, self.tokens / mm_b
         clean = f"{min(c1, c2, c3, c4)}/{len(self.batches['mv'])}"
-        return (f"{self.w.qtype.name:6} {f'{n}x{k}':>11} | {gw:7.1f} {gb:6.2f} {gw_b:6.1f} "
-                f"{gw / gw_b:5.1f} "
+        return (f"{self.w.qtype.name:6} {self.arithmetic:5} {f'{n}x{k}':>11} | {gw:7.1f} "
+                f"{gb:6.2f} {gw_b:6.1f} {gw / gw_b:5.1f} "
                 f"| {tok:7.0f} {tok * n * k / 1e9:6.1f} {tok_b:7.0f} {tok_b * n * k / 1e9:6.1f} "
                 f"{tok / tok_b:5.2f} | {clean:>5}")
 
@@ -157,6 +160,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="bundled",
                    help=f"comma-separated NxK or names of shape sets ({', '.join(SHAPES)}); "
                         "a format skips shapes whose K splits its block (default: %(default)s)")
+    p.add_argument("--matmul", default="float,int8",
+                   help="comma-separated arithmetics (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=256, help="T for matmul (default: %(default)s)")
     p.add_argument("--passes", type=int, default=4,
                    help="batches per call and case, one per pass (default: %(default)s)")
@@ -176,17 +181,19 @@ def main(argv=None) -> int:
               (SHAPES[s] if s in SHAPES else [tuple(int(v) for v in s.split("x"))])]
     rng = np.random.default_rng(0)
 
-    cases = [Case(random_weight(qtype, n, k, rng), args.tokens, rng)
-             for qtype in formats for n, k in shapes if k % BLOCKS[qtype].elements == 0]
+    arithmetics = [a.strip() for a in args.matmul.split(",")]
+    cases = [Case(random_weight(qtype, n, k, np.random.default_rng(n * k), a), args.tokens, rng, a)
+             for qtype in formats for n, k in shapes for a in arithmetics
+             if k % BLOCKS[qtype].elements == 0]
     warm_up(1.5)
     for _ in range(args.passes):  # spread each case's batches over the whole benchmark
         for case in cases:
             case.run(args.batch, args.settle)
     print(f"numba threads {args.threads}, matmul T={args.tokens}, median of batch means; "
           f"clean = batches with other processes under {args.max_foreign:.0%} of the CPUs")
-    head = (f"{'format':6} {'N x K':>11} | {'matvec':>7} {'':>6} {'blas':>6} {'ratio':>5} | "
-            f"{'matmul':>7} {'':>6} {'blas':>7} {'':>6} {'ratio':>5} | clean")
-    units = (f"{'':6} {'':>11} | {'Gw/s':>7} {'GB/s':>6} {'Gw/s':>6} {'':>5} | "
+    head = (f"{'format':6} {'arith':5} {'N x K':>11} | {'matvec':>7} {'':>6} {'blas':>6} "
+            f"{'ratio':>5} | {'matmul':>7} {'':>6} {'blas':>7} {'':>6} {'ratio':>5} | clean")
+    units = (f"{'':6} {'':5} {'':>11} | {'Gw/s':>7} {'GB/s':>6} {'Gw/s':>6} {'':>5} | "
              f"{'tok/s':>7} {'Gw/s':>6} {'tok/s':>7} {'Gw/s':>6} {'':>5} |")
     print(head, units, "-" * len(head), *(case.row(args.max_foreign) for case in cases),
           sep="\n")

@@ -38,6 +38,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="float16", choices=["float32", "float16", "bfloat16"],
                    help="K/V storage dtype (default float16; float32 doubles the K/V bytes)")
     p.add_argument("--cache-dir", default=None, help="folder for page files (default: user cache)")
+    _matmul_arg(p)
     p.add_argument("--prefix-cache", default=None, metavar="DIR",
                    help="persistent prefix cache folder: prompts starting with cached blocks "
                    "skip recomputing them (bitwise the same output)")
@@ -47,6 +48,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw", action="store_true",
                    help="do not apply the chat template (control-token text in the prompt is "
                    "then parsed as control tokens)")
+
+
+def _matmul_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--matmul", default="float", choices=["float", "int8"],
+                   help="weight products: float32 activations (default) or int8-quantized "
+                        "activations with integer dot products, as llama.cpp")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--continuation", type=int, default=64, help="greedy tokens (default 64)")
     v.add_argument("--chunk-tokens", type=int, default=256, help="prefill chunk (default 256)")
     v.add_argument("--cache-dir", default=None, help="folder for page files")
+    _matmul_arg(v)
     _serve_parser(sub)
     return ap
 
@@ -91,6 +99,7 @@ def _serve_parser(sub) -> None:
                    "requests may ask for less, never more (400); a percentage is of the full "
                    "K/V at the model's context length. " + _KV_HELP)
     s.add_argument("--cache-dir", default=None, help="folder for page files (default: user cache)")
+    _matmul_arg(s)
     s.add_argument("--prefix-cache", default=None, metavar="DIR",
                    help="persistent prefix cache folder shared by all requests; clients that "
                    "send different cache_salt values never share blocks")
@@ -120,14 +129,14 @@ def _serve(a) -> None:
                        kv_budget=budget, cache_dir=a.cache_dir, max_active=a.max_active,
                        max_queue=a.max_queue, max_tokens=a.max_tokens,
                        prefill_tokens=a.prefill_tokens),
-          prefix_cache=a.prefix_cache, prefix_cache_bytes=a.prefix_cache_bytes)
+          prefix_cache=a.prefix_cache, prefix_cache_bytes=a.prefix_cache_bytes, matmul=a.matmul)
 
 
 def _validate(a) -> int:
     from cfr_atlas.engine import load_model
     from cfr_atlas.validate import run_validation
 
-    model = load_model(a.model)
+    model = load_model(a.model, matmul=a.matmul)
     report = run_validation(model, tokens=a.tokens, kv_budget=a.kv_budget,
                             regenerator=a.regenerator, continuation=a.continuation,
                             chunk_tokens=a.chunk_tokens, cache_dir=a.cache_dir)
@@ -184,7 +193,7 @@ def _generate(a) -> int:
     from cfr_atlas.engine import load_model
 
     model = load_model(a.model, prefix_cache=a.prefix_cache,
-                       prefix_cache_bytes=a.prefix_cache_bytes)
+                       prefix_cache_bytes=a.prefix_cache_bytes, matmul=a.matmul)
     prompt = (model.tokenize(a.prompt, special=True) if a.raw  # --raw: the template is yours
               else model.chat_ids([{"role": "user", "content": a.prompt}]))
     for piece in model.stream(prompt, **_gen_options(a), **_kv_options(a)):
@@ -208,7 +217,7 @@ def _chat(a) -> None:
     from cfr_atlas.engine import load_model
 
     model = load_model(a.model, prefix_cache=a.prefix_cache,
-                       prefix_cache_bytes=a.prefix_cache_bytes)
+                       prefix_cache_bytes=a.prefix_cache_bytes, matmul=a.matmul)
     messages = []
     print("cfr-atlas chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -257,6 +266,10 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     commands = {"generate": _generate, "chat": _chat, "inspect": _inspect, "validate": _validate,
                 "serve": _serve}
+    if args.cmd != "inspect":  # commands that run kernels: a cold numba cache says so
+        from cfr_atlas.jit_progress import report_compiles
+
+        report_compiles()
     try:
         return commands[args.cmd](args) or 0
     except AtlasError as e:

@@ -7,6 +7,7 @@ state under an optional budget) and the generation iterator. Every entry point b
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 
@@ -23,8 +24,14 @@ from cfr_atlas.text import ChatTemplate, Tokenizer
 
 def load_model(path: str | os.PathLike | None = None, *,
                prefix_cache: str | os.PathLike | bool | None = None,
-               prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES) -> Model:
+               prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES,
+               matmul: str = "float") -> Model:
     """Load a GGUF model (default: the bundled SmolLM2-135M-Instruct Q4_1).
+
+    matmul: "float" (float32 activations times the dequantized weights) or "int8" (activations
+    quantized to int8 per 32-element block, integer block dots, as llama.cpp; Q4_0, Q4_1 and
+    Q8_0 layer weights; other formats and the output head stay float). Both are batch
+    invariant bit for bit.
 
     prefix_cache: a folder for the persistent prefix cache (True: the per-user default,
     ~/.cache/cfr-atlas/prefix); prompts that start with cached whole blocks skip recomputing
@@ -33,17 +40,25 @@ def load_model(path: str | os.PathLike | None = None, *,
     files beyond it are evicted least recently used first, whichever model wrote them.
     """
     return Model(GGUFFile(path if path is not None else bundled_model_path()),
-                 prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes)
+                 prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes, matmul=matmul)
+
+
+def _identity(file_identity: str, matmul: str) -> str:
+    """What cached K/V is keyed by: the file's content hash, and the matmul arithmetic when it
+    is not float (int8 K/V differ from float K/V, so the two never share prefix blocks)."""
+    if matmul == "float":
+        return file_identity
+    return hashlib.sha256(f"{file_identity}:matmul={matmul}".encode()).hexdigest()
 
 
 class Model:
     """A loaded model with its tokenizer; see the module docstring."""
 
     def __init__(self, gf: GGUFFile, *, prefix_cache=None,
-                 prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES):
+                 prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES, matmul: str = "float"):
         self.path = gf.path
-        self.identity = gf.identity()
-        self.net = LlamaModel(gf)
+        self.net = LlamaModel(gf, matmul=matmul)
+        self.identity = _identity(gf.identity(), matmul)
         self.net.identity = self.identity
         self.config = self.net.config
         self.tokenizer = Tokenizer.from_gguf(gf.reader)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import sys
 from pathlib import Path
 
 import gguf
@@ -32,6 +33,56 @@ def bundled_model_path() -> Path:
     raise ModelFormatError(f"the bundled model {BUNDLED_FILE} is not installed; {BUNDLED_HINT}")
 
 
+class _Reader(gguf.GGUFReader):
+    """gguf's reader with its one slicing primitive on a plain ndarray view of the map: slicing
+    an np.memmap runs Python-level __getitem__ / __array_finalize__ hooks, ~200,000 times for a
+    vocabulary's strings; and string arrays (vocabulary, merges) parsed in one loop instead of
+    one recursive call per string. Same fields and parts as gguf's reader (a test compares
+    them); tensor data are ndarray views of the same map. Bundled model: ~2.5 s -> ~0.3 s."""
+
+    @property
+    def data(self) -> np.memmap:
+        return self._map
+
+    @data.setter
+    def data(self, mapped: np.memmap) -> None:  # the base __init__ assigns it first
+        self._map = mapped
+        self._plain = mapped.view(np.ndarray)
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        dt = np.dtype(dtype)
+        count = int(count)
+        arr = self._plain[offset:offset + dt.itemsize * count].view(dt)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr.view(arr.dtype.newbyteorder(order))
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type != _ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        itype = int(raw_itype[0])
+        scalar = self.gguf_scalar_to_np.get(_TYPES.get(itype))
+        if itype != _STRING and scalar is None:  # arrays of arrays: gguf's own walk
+            return super()._get_field_parts(orig_offs, raw_type)
+        alen = self._get(orig_offs + 4, np.uint64)
+        n, offs = int(alen[0]), orig_offs + 12
+        types = [_TYPES[_ARRAY]] + ([_TYPES[itype]] if n else [])
+        if scalar is not None:  # one part per element, each a view of one element
+            whole = self._get(offs, scalar, n)
+            return 12 + whole.nbytes, [raw_itype, alen, *(whole[i:i + 1] for i in range(n))], \
+                list(range(2, 2 + n)), types
+        parts, plain, mv = [raw_itype, alen], self._plain, memoryview(self._plain)
+        for _ in range(n):  # each string: u64 length, then the bytes
+            size = int.from_bytes(mv[offs:offs + 8], sys.byteorder)
+            parts += (plain[offs:offs + 8].view(np.uint64), plain[offs + 8:offs + 8 + size])
+            offs += 8 + size
+        return offs - orig_offs, parts, list(range(3, len(parts), 2)), types
+
+
+_TYPES = {int(t): t for t in gguf.GGUFValueType}
+_ARRAY, _STRING = int(gguf.GGUFValueType.ARRAY), int(gguf.GGUFValueType.STRING)
+
+
 class GGUFFile:
     """A memory-mapped GGUF file: `meta(key)` for metadata, `tensors` by name."""
 
@@ -52,7 +103,7 @@ class GGUFFile:
                                    "convert the model with llama.cpp's convert_hf_to_gguf.py")
         try:
             self._stat = self.path.stat()  # the file version the reader maps (identity's key)
-            self.reader = gguf.GGUFReader(self.path, "r")
+            self.reader = _Reader(self.path, "r")
         except Exception as e:  # the reader raises assorted types on truncation / bad layout
             raise ModelFormatError(f"{self.path} is truncated or corrupt ({type(e).__name__}: "
                                    f"{e}); download or convert it again") from None

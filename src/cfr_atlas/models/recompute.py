@@ -24,8 +24,10 @@ from cfr_atlas.ops import rms_norm, rotate
 from cfr_atlas.quant import QuantWeight
 
 
-def kv_head_weights(gf, cfg, layer: int) -> list[tuple[QuantWeight, np.ndarray | None]]:
-    """Per K/V head: a weight over [K rows of the head; V rows of the head] and its bias."""
+def kv_head_weights(gf, cfg, layer: int,
+                    matmul: str = "float") -> list[tuple[QuantWeight, np.ndarray | None]]:
+    """Per K/V head: a weight over [K rows of the head; V rows of the head] and its bias, in the
+    model's matmul arithmetic (a recompute must replay the very kernels of the forward pass)."""
     hd, out = cfg.head_dim, []
     tk, tv = gf.tensor(f"blk.{layer}.attn_k.weight"), gf.tensor(f"blk.{layer}.attn_v.weight")
     rk = np.asarray(tk.data).reshape(int(tk.shape[1]), -1)
@@ -38,12 +40,13 @@ def kv_head_weights(gf, cfg, layer: int) -> list[tuple[QuantWeight, np.ndarray |
         rows = slice(h * hd, (h + 1) * hd)
         if tk.tensor_type == tv.tensor_type:
             w = QuantWeight.from_gguf(f"blk.{layer}.kv{h}", tk.tensor_type,
-                                      np.concatenate([rk[rows], rv[rows]]), (2 * hd, cfg.dim))
+                                      np.concatenate([rk[rows], rv[rows]]), (2 * hd, cfg.dim),
+                                      arithmetic=matmul)
         else:
             w = [QuantWeight.from_gguf(f"blk.{layer}.k{h}", tk.tensor_type, rk[rows].copy(),
-                                       (hd, cfg.dim)),
+                                       (hd, cfg.dim), arithmetic=matmul),
                  QuantWeight.from_gguf(f"blk.{layer}.v{h}", tv.tensor_type, rv[rows].copy(),
-                                       (hd, cfg.dim))]
+                                       (hd, cfg.dim), arithmetic=matmul)]
         b = None if bias is None else np.concatenate([bias[0][rows], bias[1][rows]])
         out.append((w, b))
     return out

@@ -1,8 +1,10 @@
 """Q4_0: 4-bit weights with a per-block scale. Dequantization bitwise equal to gguf-py and a
 load-time repack that unpacks the nibbles to int8 (q - 8), which makes a Q4_0 matrix a Q8_0 one
-with small integers: kernel, twin and row reader are q8_0's.
+with small integers: kernel, twin and row reader are q8_0's. INT8 is the integer-path codec
+(int8.py): nibbles kept packed in block tiles, term_b = (d_b * d_x) * (isum_b - 8 * xsum_b),
+isum_b the dot of the stored nibbles 0..15 (the - 8 applied once per block, in integers).
 
-Not here: a kernel of its own (Q8_0's is exact for it), shape checks, quantization.
+Not here: a float kernel of its own (Q8_0's is exact for it), shape checks, quantization.
 """
 
 # Q4_0 block, 18 bytes for 32 weights: d f16 | qs 16 x u8, little-endian;
@@ -10,17 +12,22 @@ Not here: a kernel of its own (Q8_0's is exact for it), shape checks, quantizati
 
 from __future__ import annotations
 
-import numpy as np
+from typing import NamedTuple
 
-from cfr_atlas.quant import q8_0
+import numpy as np
+from numba import njit, prange
+
+from cfr_atlas.quant import int8, q8_0
 from cfr_atlas.quant.formats import BLOCKS, Codec, QType
-from cfr_atlas.quant.tiles import to_tiles
+from cfr_atlas.quant.tiles import TILE_ROWS, gather_rows, nibble_tiles, to_tiles
 
 QK = BLOCKS[QType.Q4_0].elements
 BLOCK = np.dtype([("d", "<f2"), ("qs", "u1", (QK // 2,))])
 assert BLOCK.itemsize == BLOCKS[QType.Q4_0].bytes
 assert QK == q8_0.QK  # the tiles share q8_0's block of scales
 OFFSET = np.int8(8)  # stored nibbles are q + 8
+R = TILE_ROWS
+HALF = QK // 2  # packed bytes per block
 
 # Rounding facts: as for Q8_0, d * (q - 8) is exact in float32, so dequantization rounds nothing.
 
@@ -41,9 +48,98 @@ def dequantize(raw: np.ndarray) -> np.ndarray:
 
 def repack(raw: np.ndarray) -> q8_0.Tiles:
     """raw (N, row_bytes) uint8 -> q8_0.Tiles of q - 8: 1 byte per weight plus the scales."""
-    d, q = _fields(raw)
-    return q8_0.Tiles(to_tiles(q), to_tiles(d))
+    blocks = np.ascontiguousarray(raw).view(BLOCK)
+    d = blocks["d"].astype(np.float32)
+    return q8_0.Tiles(nibble_tiles(blocks["qs"], int(OFFSET), np.int8), to_tiles(d))
 
 
 CODEC = Codec(QType.Q4_0, np.dtype(np.uint8), dequantize, repack, q8_0.unpack_rows, q8_0.matmul,
               q8_0.matmul_numpy)
+
+
+# --- the integer path (int8.py): activations quantized per block, int32 block dots ---------
+
+
+class IntTiles(NamedTuple):
+    q: np.ndarray  # (n_tiles, nb * TILE_ROWS * 16) uint8 block tiles of GGUF's packed nibbles
+    d: np.ndarray  # (n_tiles, nb * TILE_ROWS) float32 block scales
+
+
+def int_repack(raw: np.ndarray) -> IntTiles:
+    """raw (N, row_bytes) uint8 -> IntTiles: half a byte per weight plus 4 bytes per block."""
+    d, _ = _fields(raw)
+    qs = np.ascontiguousarray(raw).view(BLOCK)["qs"]
+    return IntTiles(int8.to_block_tiles(qs.reshape(qs.shape[0], -1), HALF), to_tiles(d))
+
+
+def int_unpack_rows(tiles: IntTiles, ids: np.ndarray | slice,
+                    out: np.ndarray | None = None) -> np.ndarray:
+    """Rows `ids` of the dequantized matrix: (len(ids), K) float32 == dequantize(raw)[ids]."""
+    q = int8.unpack_nibbles(int8.gather_block_rows(tiles.q, ids, HALF)).view(np.int8) - OFFSET
+    d = gather_rows(tiles.d, ids)
+    return q8_0.values(d, q, np.empty(q.shape, dtype=np.float32) if out is None else out)
+
+
+@njit(cache=True, inline="always")
+def _int_add(acc, d, b, xd, off, isum):
+    """acc (R,) += block b's terms: (d_b * d_x) * (isum_b - 8 xsum_b) per row, off = 8 xsum_b."""
+    for r in range(R):
+        acc[r] += (d[b * R + r] * xd) * np.float32(isum[r] - off)
+
+
+@njit(parallel=True, cache=True)
+def _int_kernel(xq, xd, xsum, q, d, out):
+    """xq (T, K) int8, xd, xsum (T, nb), block tiles q, d -> out (T, N); tokens in pairs."""
+    T, K = xq.shape
+    N, G = out.shape[1], int8.GROUP
+    for i in prange(q.shape[0]):
+        acc, acc_u = np.empty(R, dtype=np.float32), np.empty(R, dtype=np.float32)
+        isum, isum_u = np.empty(R, dtype=np.int32), np.empty(R, dtype=np.int32)
+        n0 = i * R
+        lanes = min(R, N - n0)
+        for t in range(0, T - 1, 2):
+            acc[:] = 0
+            acc_u[:] = 0
+            for b in range(K // QK):
+                o, k0 = b * R * HALF, b * QK
+                int8.dot8x2_nibbles(q[i], o, xq[t], k0, isum, 0, xq[t + 1], k0, isum_u)
+                int8.dot8x2_nibbles(q[i], o + G * HALF, xq[t], k0, isum, G, xq[t + 1], k0,
+                                    isum_u)
+                _int_add(acc, d[i], b, xd[t, b], 8 * xsum[t, b], isum)
+                _int_add(acc_u, d[i], b, xd[t + 1, b], 8 * xsum[t + 1, b], isum_u)
+            out[t, n0:n0 + lanes] = acc[:lanes]
+            out[t + 1, n0:n0 + lanes] = acc_u[:lanes]
+        if T % 2:
+            t = T - 1
+            acc[:] = 0
+            for b in range(K // QK):
+                o, k0 = b * R * HALF, b * QK
+                int8.dot8_nibbles(q[i], o, xq[t], k0, isum, 0)
+                int8.dot8_nibbles(q[i], o + G * HALF, xq[t], k0, isum, G)
+                _int_add(acc, d[i], b, xd[t, b], 8 * xsum[t, b], isum)
+            out[t, n0:n0 + lanes] = acc[:lanes]
+
+
+def int_matmul(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
+    """out (T, N) = x (T, K) @ W.T on the integer path; inputs already checked."""
+    xq, xd, xsum = int8.quantize(x)
+    _int_kernel(xq, xd, xsum, tiles.q, tiles.d, out)
+
+
+def int_matmul_numpy(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
+    """The NumPy twin of `int_matmul`: the same quantization, exact block dots, the same float32
+    operations in the same block order."""
+    xq, xd, xsum = int8.quantize_numpy(x)
+    w = int8.unpack_nibbles(int8.gather_block_rows(tiles.q, slice(None), HALF))
+    dots = int8.block_dots_numpy(w, xq) - 8 * xsum[:, None, :]  # (T, N padded, nb) exact
+    dots = dots.astype(np.float32)  # exact: |isum - 8 xsum| < 2**24
+    d = gather_rows(tiles.d, slice(None))
+    with np.errstate(over="ignore", invalid="ignore"):  # edge scales: inf, as the kernel
+        acc = np.zeros(dots.shape[:2], dtype=np.float32)
+        for b in range(d.shape[1]):
+            acc = acc + (d[None, :, b] * xd[:, None, b]) * dots[:, :, b]
+    out[:] = acc[:, :out.shape[1]]
+
+
+INT8 = Codec(QType.Q4_0, np.dtype(np.uint8), dequantize, int_repack, int_unpack_rows, int_matmul,
+             int_matmul_numpy)

@@ -1,6 +1,7 @@
 """Q4_1: 4-bit weights with a per-block scale and minimum (every matrix of the bundled model but
 the embedding). Dequantization bitwise equal to gguf-py, the load-time repack into row tiles, the
-numba matmul kernel and its NumPy twin.
+numba matmul kernel and its NumPy twin. INT8 is the integer-path codec (int8.py): nibbles kept
+packed in block tiles, term_b = (d_b * d_x) * isum_b + m_b * (d_x * xsum_b).
 
 Not here: shape checks (weight.py does them; kernels trust their inputs), the tile layout and
 reduction order (tiles.py), and quantization (tests use gguf.quants.quantize).
@@ -16,13 +17,24 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit, prange
 
+from cfr_atlas.quant import int8
 from cfr_atlas.quant.formats import BLOCKS, Codec, QType
-from cfr_atlas.quant.tiles import PHASES, TILE_ROWS, gather_rows, phase_sum, phase_view, to_tiles
+from cfr_atlas.quant.tiles import (
+    PHASES,
+    TILE_ROWS,
+    gather_rows,
+    nibble_tiles,
+    phase_sum,
+    phase_view,
+    to_tiles,
+)
 
 QK = BLOCKS[QType.Q4_1].elements
 BLOCK = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (QK // 2,))])
 assert BLOCK.itemsize == BLOCKS[QType.Q4_1].bytes
 R = TILE_ROWS
+assert QK == int8.QK and R == 2 * int8.GROUP  # a tile's block is two 8-row integer dots
+HALF = QK // 2  # packed bytes per block
 
 # Rounding facts. f16 -> f32 is exact (subnormals included). d * q is exact in float32 (11-bit
 # significand times a 4-bit integer), so `(d * q) + m` rounds once, at the add, to nearest-even;
@@ -63,8 +75,9 @@ def dequantize(raw: np.ndarray) -> np.ndarray:
 
 def repack(raw: np.ndarray) -> Tiles:
     """raw (N, row_bytes) uint8 -> Tiles: 1 byte per weight plus 8 bytes of scales per block."""
-    d, m, q = _fields(raw)
-    return Tiles(to_tiles(q), to_tiles(d), to_tiles(m))
+    blocks = np.ascontiguousarray(raw).view(BLOCK)
+    d, m = blocks["d"].astype(np.float32), blocks["m"].astype(np.float32)
+    return Tiles(nibble_tiles(blocks["qs"]), to_tiles(d), to_tiles(m))
 
 
 def unpack_rows(tiles: Tiles, ids: np.ndarray | slice,
@@ -187,3 +200,96 @@ def matmul_numpy(x: np.ndarray, tiles: Tiles, out: np.ndarray) -> None:
 
 CODEC = Codec(QType.Q4_1, np.dtype(np.uint8), dequantize, repack, unpack_rows, matmul,
               matmul_numpy)
+
+
+# --- the integer path (int8.py): activations quantized per block, int32 block dots ---------
+
+
+class IntTiles(NamedTuple):
+    q: np.ndarray  # (n_tiles, nb * TILE_ROWS * 16) uint8 block tiles of GGUF's packed nibbles
+    d: np.ndarray  # (n_tiles, nb * TILE_ROWS) float32 block scales, as in Tiles
+    m: np.ndarray  # (n_tiles, nb * TILE_ROWS) float32 block minimums
+
+
+def int_repack(raw: np.ndarray) -> IntTiles:
+    """raw (N, row_bytes) uint8 -> IntTiles: half a byte per weight plus 8 bytes per block."""
+    d, m, _ = _fields(raw)
+    qs = np.ascontiguousarray(raw).view(BLOCK)["qs"]
+    return IntTiles(int8.to_block_tiles(qs.reshape(qs.shape[0], -1), HALF), to_tiles(d),
+                    to_tiles(m))
+
+
+def int_unpack_rows(tiles: IntTiles, ids: np.ndarray | slice,
+                    out: np.ndarray | None = None) -> np.ndarray:
+    """Rows `ids` of the dequantized matrix: (len(ids), K) float32 == dequantize(raw)[ids]."""
+    q = int8.unpack_nibbles(int8.gather_block_rows(tiles.q, ids, HALF))
+    d, m = gather_rows(tiles.d, ids), gather_rows(tiles.m, ids)
+    return _values(d, m, q, np.empty(q.shape, dtype=np.float32) if out is None else out)
+
+
+@njit(cache=True, inline="always")
+def _int_add(acc, d, m, b, xd, sx, isum):
+    """acc (R,) += block b's terms: (d_b * d_x) * isum_b + m_b * sx per row, sx = d_x xsum_b."""
+    for r in range(R):
+        k = b * R + r
+        acc[r] += (d[k] * xd) * np.float32(isum[r]) + m[k] * sx
+
+
+@njit(parallel=True, cache=True)
+def _int_kernel(xq, xd, xsum, q, d, m, out):
+    """xq (T, K) int8, xd, xsum (T, nb), block tiles q, d, m -> out (T, N); tokens in pairs."""
+    T, K = xq.shape
+    N, G = out.shape[1], int8.GROUP
+    sx = xd * xsum.astype(np.float32)  # (T, nb): llama.cpp's q8_1 s = d * sum(q)
+    for i in prange(q.shape[0]):
+        acc, acc_u = np.empty(R, dtype=np.float32), np.empty(R, dtype=np.float32)
+        isum, isum_u = np.empty(R, dtype=np.int32), np.empty(R, dtype=np.int32)
+        n0 = i * R
+        lanes = min(R, N - n0)
+        for t in range(0, T - 1, 2):
+            acc[:] = 0
+            acc_u[:] = 0
+            for b in range(K // QK):
+                o, k0 = b * R * HALF, b * QK
+                int8.dot8x2_nibbles(q[i], o, xq[t], k0, isum, 0, xq[t + 1], k0, isum_u)
+                int8.dot8x2_nibbles(q[i], o + G * HALF, xq[t], k0, isum, G, xq[t + 1], k0,
+                                    isum_u)
+                _int_add(acc, d[i], m[i], b, xd[t, b], sx[t, b], isum)
+                _int_add(acc_u, d[i], m[i], b, xd[t + 1, b], sx[t + 1, b], isum_u)
+            out[t, n0:n0 + lanes] = acc[:lanes]
+            out[t + 1, n0:n0 + lanes] = acc_u[:lanes]
+        if T % 2:
+            t = T - 1
+            acc[:] = 0
+            for b in range(K // QK):
+                o, k0 = b * R * HALF, b * QK
+                int8.dot8_nibbles(q[i], o, xq[t], k0, isum, 0)
+                int8.dot8_nibbles(q[i], o + G * HALF, xq[t], k0, isum, G)
+                _int_add(acc, d[i], m[i], b, xd[t, b], sx[t, b], isum)
+            out[t, n0:n0 + lanes] = acc[:lanes]
+
+
+def int_matmul(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
+    """out (T, N) = x (T, K) @ W.T on the integer path; inputs already checked."""
+    xq, xd, xsum = int8.quantize(x)
+    _int_kernel(xq, xd, xsum, tiles.q, tiles.d, tiles.m, out)
+
+
+def int_matmul_numpy(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
+    """The NumPy twin of `int_matmul`: the same quantization, exact block dots, the same float32
+    operations in the same block order."""
+    xq, xd, xsum = int8.quantize_numpy(x)
+    w = int8.unpack_nibbles(int8.gather_block_rows(tiles.q, slice(None), HALF))
+    dots = int8.block_dots_numpy(w, xq).astype(np.float32)  # exact: |isum| < 2**24
+    sx = xd * xsum.astype(np.float32)  # (T, nb)
+    d, m = gather_rows(tiles.d, slice(None)), gather_rows(tiles.m, slice(None))
+    with np.errstate(over="ignore", invalid="ignore"):  # edge scales: inf, as the kernel
+        acc = np.zeros(dots.shape[:2], dtype=np.float32)
+        for b in range(d.shape[1]):
+            term = (d[None, :, b] * xd[:, None, b]) * dots[:, :, b] + m[None, :, b] * sx[:, None, b]
+            acc = acc + term
+    out[:] = acc[:, :out.shape[1]]
+
+
+INT8 = Codec(QType.Q4_1, np.dtype(np.uint8), dequantize, int_repack, int_unpack_rows, int_matmul,
+             int_matmul_numpy)

@@ -1,6 +1,7 @@
 """Q8_0: 8-bit weights with a per-block scale (the bundled model's tied embedding/output matrix).
 Dequantization bitwise equal to gguf-py, the load-time repack into row tiles, the numba matmul
 kernel and its NumPy twin. Q4_0 repacks into the same tiles and reuses this kernel (q4_0.py).
+INT8 is the integer-path codec (int8.py): block tiles of int8, term_b = (d_b * d_x) * isum_b.
 
 Not here: shape checks (weight.py), the tile layout and reduction order (tiles.py), quantization.
 """
@@ -14,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit, prange
 
+from cfr_atlas.quant import int8
 from cfr_atlas.quant.formats import BLOCKS, Codec, QType
 from cfr_atlas.quant.tiles import PHASES, TILE_ROWS, gather_rows, phase_sum, phase_view, to_tiles
 
@@ -21,6 +23,7 @@ QK = BLOCKS[QType.Q8_0].elements
 BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", (QK,))])
 assert BLOCK.itemsize == BLOCKS[QType.Q8_0].bytes
 R = TILE_ROWS
+assert QK == int8.QK and R == 2 * int8.GROUP  # a tile's block is two 8-row integer dots
 
 # Rounding facts. f16 -> f32 is exact (subnormals included), and so is d * q in float32: an
 # 11-bit significand times an 8-bit integer needs 19 bits, and the smallest f16 subnormal times
@@ -160,3 +163,88 @@ def matmul_numpy(x: np.ndarray, tiles: Tiles, out: np.ndarray) -> None:
 
 CODEC = Codec(QType.Q8_0, np.dtype(np.uint8), dequantize, repack, unpack_rows, matmul,
               matmul_numpy)
+
+
+# --- the integer path (int8.py): activations quantized per block, int32 block dots ---------
+
+
+class IntTiles(NamedTuple):
+    q: np.ndarray  # (n_tiles, nb * TILE_ROWS * QK) int8 block tiles (int8.py)
+    d: np.ndarray  # (n_tiles, nb * TILE_ROWS) float32 block scales, as in Tiles
+
+
+def int_repack(raw: np.ndarray) -> IntTiles:
+    """raw (N, row_bytes) uint8 -> IntTiles: 1 byte per weight plus 4 bytes of scale per block."""
+    d, q = _fields(raw)
+    return IntTiles(int8.to_block_tiles(q, QK), to_tiles(d))
+
+
+def int_unpack_rows(tiles: IntTiles, ids: np.ndarray | slice,
+                    out: np.ndarray | None = None) -> np.ndarray:
+    """Rows `ids` of the dequantized matrix: (len(ids), K) float32 == dequantize(raw)[ids]."""
+    q, d = int8.gather_block_rows(tiles.q, ids, QK), gather_rows(tiles.d, ids)
+    return values(d, q, np.empty(q.shape, dtype=np.float32) if out is None else out)
+
+
+@njit(cache=True, inline="always")
+def _int_add(acc, d, b, xd, isum):
+    """acc (R,) += block b's terms: (d_b * d_x) * isum_b per row."""
+    for r in range(R):
+        acc[r] += (d[b * R + r] * xd) * np.float32(isum[r])
+
+
+@njit(parallel=True, cache=True)
+def _int_kernel(xq, xd, q, d, out):
+    """xq (T, K) int8, xd (T, nb), block tiles q, d -> out (T, N); threads split the tiles,
+    tokens go in pairs (one weight load for two tokens; every operation per token the same)."""
+    T, K = xq.shape
+    N, G = out.shape[1], int8.GROUP
+    for i in prange(q.shape[0]):
+        acc, acc_u = np.empty(R, dtype=np.float32), np.empty(R, dtype=np.float32)
+        isum, isum_u = np.empty(R, dtype=np.int32), np.empty(R, dtype=np.int32)
+        n0 = i * R
+        lanes = min(R, N - n0)
+        for t in range(0, T - 1, 2):
+            acc[:] = 0
+            acc_u[:] = 0
+            for b in range(K // QK):
+                o, k0 = b * R * QK, b * QK
+                int8.dot8x2_int8(q[i], o, xq[t], k0, isum, 0, xq[t + 1], k0, isum_u)
+                int8.dot8x2_int8(q[i], o + G * QK, xq[t], k0, isum, G, xq[t + 1], k0, isum_u)
+                _int_add(acc, d[i], b, xd[t, b], isum)
+                _int_add(acc_u, d[i], b, xd[t + 1, b], isum_u)
+            out[t, n0:n0 + lanes] = acc[:lanes]
+            out[t + 1, n0:n0 + lanes] = acc_u[:lanes]
+        if T % 2:
+            t = T - 1
+            acc[:] = 0
+            for b in range(K // QK):
+                o, k0 = b * R * QK, b * QK
+                int8.dot8_int8(q[i], o, xq[t], k0, isum, 0)
+                int8.dot8_int8(q[i], o + G * QK, xq[t], k0, isum, G)
+                _int_add(acc, d[i], b, xd[t, b], isum)
+            out[t, n0:n0 + lanes] = acc[:lanes]
+
+
+def int_matmul(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
+    """out (T, N) = x (T, K) @ W.T on the integer path; inputs already checked."""
+    xq, xd, _ = int8.quantize(x)
+    _int_kernel(xq, xd, tiles.q, tiles.d, out)
+
+
+def int_matmul_numpy(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
+    """The NumPy twin of `int_matmul`: the same quantization, exact block dots, the same float32
+    operations in the same block order."""
+    xq, xd, _ = int8.quantize_numpy(x)
+    dots = int8.block_dots_numpy(int8.gather_block_rows(tiles.q, slice(None), QK), xq)
+    dots = dots.astype(np.float32)  # exact: |isum| <= 32 * 128 * 127 < 2**24
+    d = gather_rows(tiles.d, slice(None))  # (N padded, nb)
+    with np.errstate(over="ignore", invalid="ignore"):  # edge scales: inf, as the kernel
+        acc = np.zeros(dots.shape[:2], dtype=np.float32)
+        for b in range(d.shape[1]):
+            acc = acc + (d[None, :, b] * xd[:, None, b]) * dots[:, :, b]
+    out[:] = acc[:, :out.shape[1]]
+
+
+INT8 = Codec(QType.Q8_0, np.dtype(np.uint8), dequantize, int_repack, int_unpack_rows, int_matmul,
+             int_matmul_numpy)

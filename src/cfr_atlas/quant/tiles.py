@@ -49,6 +49,23 @@ def to_tiles(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(tiled).reshape(-1, cols * TILE_ROWS)
 
 
+def nibble_tiles(qs: np.ndarray, offset: int = 0, dtype=np.uint8) -> np.ndarray:
+    """qs (N, nb, 16) uint8 GGUF nibbles (low nibble q[j], high q[j + 16] of each block) ->
+    to_tiles of the unpacked (N, nb * 32) values minus `offset`, in `dtype`; written by one
+    strided pass per half instead of unpack, pad and transpose (a third of the load time)."""
+    rows, nb, half = qs.shape
+    tiles = n_tiles(rows)
+    out = np.zeros((tiles, nb, 2, half, TILE_ROWS), dtype=dtype)
+    view = out.transpose(0, 4, 1, 2, 3)  # (tiles, TILE_ROWS, nb, 2, 16), a view of out
+    full, rest = divmod(rows, TILE_ROWS)
+    for h, part in enumerate((qs & np.uint8(0x0F), qs >> np.uint8(4))):
+        values = part.astype(dtype) - dtype(offset)
+        view[:full, :, :, h, :] = values[:full * TILE_ROWS].reshape(full, TILE_ROWS, nb, half)
+        if rest:
+            view[full, :rest, :, h, :] = values[full * TILE_ROWS:]
+    return out.reshape(tiles, -1)
+
+
 def gather_rows(tiles: np.ndarray, ids: np.ndarray | slice) -> np.ndarray:
     """tiles (n_tiles, C * TILE_ROWS) -> (n, C): rows `ids` (int array or slice) of the untiled
     matrix, a new array."""

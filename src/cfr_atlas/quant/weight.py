@@ -1,7 +1,9 @@
 """QuantWeight: one weight matrix in any supported format behind matvec / matmul / dequantize /
 rows, so the model never branches on the format.
 
-Holds the boundary checks (typed errors carrying the numbers) and the codec table by QType; the
+Holds the boundary checks (typed errors carrying the numbers) and the codec tables by QType, one
+per arithmetic ("float": float32 activations; "int8": activations quantized per block, integer
+block dots, see int8.py; formats without an integer path use their float codec); the
 arithmetic lives in the format modules and trusts what this module passes on. Not here: reading
 GGUF files (models/ does), quantizing, BLAS.
 """
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cfr_atlas.errors import DimensionError
+from cfr_atlas.errors import ConfigError, DimensionError
 from cfr_atlas.quant import floats, kquants, q4_0, q4_1, q5, q8_0
 from cfr_atlas.quant.formats import Codec, QType, qtype_from_gguf, row_bytes
 
@@ -20,6 +22,16 @@ CODECS: dict[QType, Codec] = {
     c.qtype: c
     for c in (q8_0.CODEC, q4_0.CODEC, q4_1.CODEC, *q5.CODECS, *kquants.CODECS, *floats.CODECS)
 }
+INT8_CODECS: dict[QType, Codec] = {**CODECS, **{c.qtype: c for c in (q8_0.INT8, q4_0.INT8,
+                                                                      q4_1.INT8)}}
+ARITHMETIC: dict[str, dict[QType, Codec]] = {"float": CODECS, "int8": INT8_CODECS}
+
+
+def check_arithmetic(arithmetic: str) -> str:
+    """The name if it is a key of ARITHMETIC, else ConfigError naming the choices."""
+    if arithmetic not in ARITHMETIC:
+        raise ConfigError("matmul", f"{arithmetic!r} is not one of {sorted(ARITHMETIC)}")
+    return arithmetic
 
 
 def _describe(a) -> str:
@@ -40,18 +52,22 @@ class QuantWeight:
     name: str
     qtype: QType
     shape: tuple[int, int]  # (N output rows, K input columns)
-    tiles: tuple  # the format module's Tiles
+    tiles: tuple  # the codec's Tiles
+    codec: Codec  # the format's codec for the chosen arithmetic
 
     @classmethod
-    def from_raw(cls, name: str, qtype, raw: np.ndarray, shape: tuple[int, int]) -> QuantWeight:
+    def from_raw(cls, name: str, qtype, raw: np.ndarray, shape: tuple[int, int], *,
+                 arithmetic: str = "float") -> QuantWeight:
         """Repack raw GGUF data: (N, row_bytes) uint8 for block formats, (N, K) float32/float16
-        for F32/F16 (uint8 also accepted). qtype is a QType or a gguf.GGMLQuantizationType."""
+        for F32/F16 (uint8 also accepted). qtype is a QType or a gguf.GGMLQuantizationType;
+        arithmetic "float" or "int8" (ARITHMETIC) picks the codec and so the tile layout."""
+        table = ARITHMETIC[check_arithmetic(arithmetic)]
         qtype = qtype_from_gguf(qtype, name)
         try:
             n, k = (int(s) for s in shape)
         except (TypeError, ValueError):
             raise DimensionError(f"{name}: shape must be (N, K), got {shape!r}") from None
-        codec = CODECS[qtype]
+        codec = table[qtype]
         raw = np.asarray(raw)
         allowed = {np.dtype(np.uint8), codec.raw_dtype}
         if raw.dtype not in allowed:
@@ -69,7 +85,7 @@ class QuantWeight:
                 f"{need}"
             )
         rows = np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1)
-        return cls(name, qtype, (n, k), codec.repack(rows))
+        return cls(name, qtype, (n, k), codec.repack(rows), codec)
 
     from_gguf = from_raw  # the name loaders use: (name, tensor.tensor_type, tensor.data, (N, K))
 
@@ -83,7 +99,7 @@ class QuantWeight:
         n, k = self.shape
         self._check("x", x, (k,))
         out = self._output(out, (n,))
-        CODECS[self.qtype].matmul(x.reshape(1, k), self.tiles, out.reshape(1, n))
+        self.codec.matmul(x.reshape(1, k), self.tiles, out.reshape(1, n))
         return out
 
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -93,7 +109,7 @@ class QuantWeight:
             raise DimensionError(f"{self.name}: x must be float32 (T, {k}), got {_describe(x)}")
         self._check("x", x, (x.shape[0], k))
         out = self._output(out, (x.shape[0], n))
-        CODECS[self.qtype].matmul(x, self.tiles, out)
+        self.codec.matmul(x, self.tiles, out)
         return out
 
     def rows(self, ids, out: np.ndarray | None = None) -> np.ndarray:
@@ -108,13 +124,13 @@ class QuantWeight:
             raise DimensionError(f"{self.name}: row id {bad[0]} out of range for {n_rows} rows")
         if out is not None:
             self._check("out", out, (ids.shape[0], k))
-        return CODECS[self.qtype].unpack_rows(self.tiles, ids, out)
+        return self.codec.unpack_rows(self.tiles, ids, out)
 
     def dequantize(self, out: np.ndarray | None = None) -> np.ndarray:
         """-> (N, K) float32, bitwise equal to gguf.quants.dequantize of the raw data."""
         if out is not None:
             self._check("out", out, self.shape)
-        return CODECS[self.qtype].unpack_rows(self.tiles, slice(0, self.shape[0]), out)
+        return self.codec.unpack_rows(self.tiles, slice(0, self.shape[0]), out)
 
     def _check(self, what: str, a, shape: tuple[int, ...]) -> None:
         if (not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != shape
