@@ -250,7 +250,7 @@ def _chat(a) -> None:
 
 def _inspect(a) -> None:
     from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
-    from cfr_atlas.models.llama import LlamaConfig
+    from cfr_atlas.models.families import config_of
 
     gf = GGUFFile(a.file if a.file else bundled_model_path())
     print(f"file: {gf.path} ({gf.path.stat().st_size:,} bytes)")
@@ -268,7 +268,7 @@ def _inspect(a) -> None:
     print("tensors:")
     for name, (count, nbytes) in sorted(sizes.items()):
         print(f"  {name:6s} {count:4d} tensors {nbytes:>14,} bytes")
-    cfg = LlamaConfig.from_gguf(gf)
+    cfg = config_of(gf)
     print(f"K/V bytes per token: {cfg.kv_bytes_per_token(2):,} (float16, the default), "
           f"{cfg.kv_bytes_per_token(4):,} (float32)")
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from cfr_atlas.generate import DEFAULT_CHUNK, Generation, check_ids, prefill
 from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
-from cfr_atlas.models.llama import LlamaModel
+from cfr_atlas.models.families import load_net
 from cfr_atlas.models.prefix import DEFAULT_DISK_BYTES, PrefixTier, default_prefix_dir
 from cfr_atlas.models.session import Session, parse_bytes
 from cfr_atlas.sampling import SamplingParams
@@ -43,7 +43,7 @@ class Model:
                  prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES):
         self.path = gf.path
         self.identity = gf.identity()
-        self.net = LlamaModel(gf)
+        self.net = load_net(gf)  # the family's class, by general.architecture
         self.net.identity = self.identity
         self.config = self.net.config
         self.tokenizer = Tokenizer.from_gguf(gf.reader)
