@@ -249,8 +249,8 @@ def _chat(a) -> None:
 
 
 def _inspect(a) -> None:
-    from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
     from cfr_atlas.models.families import config_of
+    from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
 
     gf = GGUFFile(a.file if a.file else bundled_model_path())
     print(f"file: {gf.path} ({gf.path.stat().st_size:,} bytes)")

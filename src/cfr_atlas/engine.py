@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from cfr_atlas.generate import DEFAULT_CHUNK, Generation, check_ids, prefill
-from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
 from cfr_atlas.models.families import load_net
+from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
 from cfr_atlas.models.prefix import DEFAULT_DISK_BYTES, PrefixTier, default_prefix_dir
 from cfr_atlas.models.session import Session, parse_bytes
 from cfr_atlas.sampling import SamplingParams
