@@ -62,7 +62,8 @@ class UnsupportedQuantError(ModelFormatError):
     def __init__(self, qtype: str, tensor: str):
         super().__init__(
             f"tensor {tensor!r} uses quant type {qtype}, which cfr-atlas does not support "
-            "(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)"
+            "(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, "
+            "Q5_K, Q6_K)"
         )
         self.qtype = qtype
         self.tensor = tensor

@@ -26,7 +26,15 @@ class QType(Enum):
     F16 = 1
     Q4_0 = 2
     Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
+    Q2_K = 10
+    Q3_K = 11
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    IQ4_NL = 20
     BF16 = 30
 
 
@@ -42,6 +50,15 @@ BLOCKS: dict[QType, BlockSize] = {
     QType.Q4_0: BlockSize(32, 2 + 16),  # f16 scale d, 32 x 4-bit q
     QType.Q4_1: BlockSize(32, 2 + 2 + 16),  # f16 scale d, f16 min m, 32 x 4-bit q
     QType.Q8_0: BlockSize(32, 2 + 32),  # f16 scale d, 32 x int8 q
+    QType.Q5_0: BlockSize(32, 2 + 4 + 16),  # f16 d, 32 high bits, 32 x 4-bit low q
+    QType.Q5_1: BlockSize(32, 2 + 2 + 4 + 16),  # f16 d, f16 min m, 32 high bits, 32 x 4-bit q
+    QType.IQ4_NL: BlockSize(32, 2 + 16),  # f16 d, 32 x 4-bit codebook index
+    # K-quants: 256-weight super-blocks of 16 or 32-weight sub-blocks with their own scales
+    QType.Q2_K: BlockSize(256, 16 + 64 + 2 + 2),  # 4-bit sc|m x 16, 256 x 2-bit q, d, dmin
+    QType.Q3_K: BlockSize(256, 32 + 64 + 12 + 2),  # high bits, 2-bit q, 16 x 6-bit sc, d
+    QType.Q4_K: BlockSize(256, 2 + 2 + 12 + 128),  # d, dmin, 8 x 6-bit sc and m, 4-bit q
+    QType.Q5_K: BlockSize(256, 2 + 2 + 12 + 32 + 128),  # as Q4_K plus 256 high bits
+    QType.Q6_K: BlockSize(256, 128 + 64 + 16 + 2),  # 4-bit low q, 2-bit high q, 16 x i8 sc, d
 }
 
 

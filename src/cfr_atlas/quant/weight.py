@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from cfr_atlas.errors import DimensionError
-from cfr_atlas.quant import floats, q4_0, q4_1, q8_0
+from cfr_atlas.quant import floats, kquants, q4_0, q4_1, q5, q8_0
 from cfr_atlas.quant.formats import Codec, QType, qtype_from_gguf, row_bytes
 
 CODECS: dict[QType, Codec] = {
-    c.qtype: c for c in (q8_0.CODEC, q4_0.CODEC, q4_1.CODEC, *floats.CODECS)
+    c.qtype: c
+    for c in (q8_0.CODEC, q4_0.CODEC, q4_1.CODEC, *q5.CODECS, *kquants.CODECS, *floats.CODECS)
 }
 
 
