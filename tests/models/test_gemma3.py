@@ -44,10 +44,11 @@ def test_logits_match_float64_reference(model, tiny_gemma3):
     ref = gemma3_reference_logits(tiny_gemma3, ids)
     got = model.logits(ids, chunk_tokens=16, storage_dtype="float32", page_tokens=PAGE)
     err = np.abs(got - ref)
-    # Q8_0 weights are the same for both; what differs is float32 arithmetic (and the
-    # engine's ops order) against float64: a few 1e-3 on logits of std ~ 5.
-    assert err.max() < 2e-2, err.max()
-    assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.97
+    # Both use the same dequantized Q8_0 weights; what differs is float32 arithmetic against
+    # float64: measured 3.7e-6 at 300 positions on logits up to 15 (docs/CONFORMANCE.md).
+    assert np.abs(ref).max() > 5  # the soft cap (30) and the window both matter at this scale
+    assert err.max() < 5e-5, err.max()
+    assert np.array_equal(got.argmax(1), ref.argmax(1))
 
 
 # recompute keeps layer inputs (7 x 64 x 4 bytes per token): its budget must cover them

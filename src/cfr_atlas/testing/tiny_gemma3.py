@@ -27,7 +27,7 @@ def _tensors(rng, *, n_layers, dim, n_heads, n_kv_heads, head_dim, hidden_dim, v
     def norm(n):
         return 1.0 + 0.2 * rng.standard_normal(n)
 
-    out = [("token_embd.weight", True, 0.3 * mat(vocab, dim))]
+    out = [("token_embd.weight", True, 2.0 * mat(vocab, dim))]  # tied: logits of std ~2
     for i in range(n_layers):
         p = f"blk.{i}."
         out += [(p + "attn_norm.weight", False, norm(dim)),
