@@ -86,3 +86,13 @@ def test_generation_driver_runs_unchanged(model):
     out = model.generate(ids, max_tokens=8, kv_budget="30%", page_tokens=PAGE)
     again = model.generate(ids, max_tokens=8, page_tokens=PAGE)
     assert out == again and len(out) > 0
+
+
+def test_cli_inspect_and_query_scale(tiny_gemma3, capsys):
+    from cfr_atlas.cli import main
+    from cfr_atlas.models.gemma3 import query_pre_attn
+
+    assert main(["inspect", str(tiny_gemma3)]) == 0
+    assert "gemma3.attention.sliding_window = 24" in capsys.readouterr().out
+    assert query_pre_attn(18, 640, 4, 256) == 256  # Gemma 3 270M: head_dim
+    assert query_pre_attn(62, 5376, 32, 128) == 168  # 27B: dim / n_heads, as llama.cpp

@@ -106,9 +106,16 @@ class Gemma3Config:
             rope_theta=gf.meta_float(f"{arch}.rope.freq_base", 1_000_000.0),
             rope_freq_scale=rope_freq_scale(gf, arch),
             sliding_window=count("attention.sliding_window", high=LIMITS["context"]),
-            query_scale=1.0 / math.sqrt(head_dim),
+            query_scale=1.0 / math.sqrt(query_pre_attn(count("block_count"), dim, n_heads,
+                                                       head_dim)),
             final_softcap=float(gf.meta(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
         )
+
+
+def query_pre_attn(n_layers: int, dim: int, n_heads: int, head_dim: int) -> int:
+    """What llama.cpp scales Gemma 3's queries by (1 / sqrt of it): head_dim, except for the
+    27B model (62 layers), whose query_pre_attn_scalar is dim / n_heads."""
+    return dim // n_heads if n_layers == 62 else head_dim
 
 
 class _Layer:
