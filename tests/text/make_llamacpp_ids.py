@@ -1,7 +1,8 @@
-"""Write tests/text/data/gemma3_llamacpp_ids.json: llama.cpp's token ids for a few texts on the
-real Gemma 3 vocabulary, so CI checks cfr-atlas's SentencePiece tokenizer without llama.cpp.
+"""Write tests/text/data/NAME_llamacpp_ids.json: llama.cpp's token ids for a few texts on a
+real vocabulary (gemma3: SentencePiece; qwen2: BPE with the qwen2 pre-tokenizer), so CI checks
+cfr-atlas's tokenizers without llama.cpp.
 
-Run: PYTHONPATH=src python tests/text/make_llamacpp_ids.py GEMMA_GGUF  (needs llama_cpp)
+Run: PYTHONPATH=src python tests/text/make_llamacpp_ids.py GGUF NAME  (needs llama_cpp)
 """
 
 from __future__ import annotations
@@ -24,16 +25,16 @@ TEXTS = [
 ]
 
 
-def main(path: str) -> None:
+def main(path: str, name: str) -> None:
     import llama_cpp
 
     llm = llama_cpp.Llama(path, vocab_only=True, verbose=False)
     cases = [{"text": t, "ids": llm.tokenize(t.encode(), add_bos=True, special=False)}
              for t in TEXTS]
-    out = Path(__file__).parent / "data" / "gemma3_llamacpp_ids.json"
-    out.write_text(json.dumps(cases, ensure_ascii=False, indent=0) + "\n")
+    out = Path(__file__).parent / "data" / f"{name}_llamacpp_ids.json"
+    out.write_text("[\n" + ",\n".join(json.dumps(c, ensure_ascii=False) for c in cases) + "\n]\n")
     print(f"wrote {out} ({len(cases)} texts, llama_cpp {llama_cpp.__version__})")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

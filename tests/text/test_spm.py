@@ -15,7 +15,8 @@ from cfr_atlas.errors import ModelFormatError
 from cfr_atlas.text import Tokenizer
 from cfr_atlas.text.spm import SpmTokenizer
 
-FIXTURE = Path(__file__).parent / "data" / "gemma3_llamacpp_ids.json"
+DATA = Path(__file__).parent / "data"
+FIXTURE = DATA / "gemma3_llamacpp_ids.json"
 N, C, U, B = 1, 3, 4, 6  # token types: normal, control, user-defined, byte
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
 WORDS = ["a", "b", "c", "ab", "bc", "abc", "▁", "▁a", "▁ab", "▁abc", "ca", "cab", "é", "▁é",
@@ -91,7 +92,7 @@ def test_bad_vocab_is_typed():
         SpmTokenizer(["a", "b", "c"], [0.0, 0.0], None)
 
 
-# --- the real Gemma 3 vocabulary -----------------------------------------------------------------
+# --- the real vocabularies (Gemma 3: SentencePiece; Qwen2.5: qwen2 BPE) -----------------------
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +127,13 @@ def test_no_chat_template_is_a_typed_error():
     template = ChatTemplate.from_gguf({}, _tiny())  # no template, no ChatML tokens: base model
     with pytest.raises(NoChatTemplateError, match="no tokenizer.chat_template"):
         template.encode(_tiny(), [{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.model
+def test_qwen2_ids_equal_llamacpp_fixture(real_model):
+    from gguf import GGUFReader
+
+    tok = Tokenizer.from_gguf(GGUFReader(real_model("qwen2.5-coder-0.5b")))
+    assert tok.pre == "qwen2"
+    for case in json.loads((DATA / "qwen2_llamacpp_ids.json").read_text()):
+        assert tok.encode(case["text"]) == case["ids"], case["text"]
