@@ -17,10 +17,10 @@ from cfr_atlas.engine import load_model
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 DATA = Path(__file__).parent / "data"
-FIXTURES = {"gemma3-270m": "llamacpp_gemma3.json"}
+FIXTURES = {"gemma3-270m": "llamacpp_gemma3.json", "qwen2.5-coder-0.5b": "llamacpp_qwen2.json"}
 # Issue 12 asks 97% on the long text; measured 96.8% (991 of 1,024) on Gemma 3 270M against
 # llama.cpp with flash attention and f16 K/V (docs/CONFORMANCE.md): this guards the measured
-# level, the target is not met yet.
+# level, the target is not met yet. Qwen2.5-Coder-0.5B meets it (98.7%).
 LONG_ARGMAX = 0.96
 
 
