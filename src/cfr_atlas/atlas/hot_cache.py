@@ -390,6 +390,18 @@ class HotCache:
         self._account(lay, T * len(heads) * self.row_bytes, 0)
         return True
 
+    def forget_before(self, layer: int, token: int) -> int:
+        """Evict `layer`'s resident pages that end at or before `token` (a sliding window no
+        query will reach again); returns how many."""
+        lay = self.layers.get(layer)
+        if lay is None:
+            return 0
+        n_pages = max(0, token // self.page_tokens)
+        gone = np.nonzero(lay.slot[:, :n_pages] >= 0)
+        for h, p in zip(*gone, strict=True):
+            self.evict(PageKey(layer, int(h), int(p) * self.page_tokens))
+        return len(gone[0])
+
     def truncate(self, context_tokens: int) -> None:
         """Forget every resident row at or after `context_tokens` (not journaled)."""
         P = self.page_tokens

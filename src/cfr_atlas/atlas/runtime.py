@@ -284,6 +284,12 @@ class Atlas:
         self._peak = max(self._peak, self.cache.resident_bytes)
         return True
 
+    def forget_before(self, layer: int, token: int) -> None:
+        """Drop `layer`'s hot pages wholly before `token`: outside every later query's window
+        they are never read again (the fold starts at the window's first page)."""
+        self._total.evictions += self.cache.forget_before(_check_index("layer", layer, 1 << 20),
+                                                          _check_index("token", token))
+
     def truncate(self, context_tokens: int) -> None:
         """Forget every resident row at or after `context_tokens` (rewind a sequence)."""
         self.cache.truncate(context_tokens)

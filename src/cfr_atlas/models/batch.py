@@ -91,3 +91,19 @@ class Rows:
                 first = rows.start if items[j].all_logits else rows.stop - 1
                 out.append((j, np.arange(first, rows.stop)))
         return out
+
+
+def one_by_one(net, items: list[BatchItem]) -> list:
+    """`forward_batch` for a family without a concatenated pass yet: each item through its own
+    `forward_chunk`, in order (exact by construction; the weights stream once per item). Per
+    item the result, or the exception it raised (a bad item is refused before any work)."""
+    results: list = [None] * len(items)
+    seen: set[int] = set()
+    for j, item in enumerate(items):
+        try:
+            check_item(item, net.config.vocab_size, seen)
+            results[j] = net.forward_chunk(item.session, item.ids, all_logits=item.all_logits,
+                                           hidden=item.hidden, output=item.output)
+        except Exception as exc:
+            results[j] = exc
+    return results

@@ -76,6 +76,14 @@ class LlamaConfig:
         """K + V bytes one token adds across all layers (2 = float16, the default storage)."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * itemsize
 
+    def kv_bytes(self, n_tokens: int, itemsize: int = 2) -> int:
+        """K + V bytes a context of `n_tokens` needs (every layer holds every token)."""
+        return n_tokens * self.kv_bytes_per_token(itemsize)
+
+    def window(self, layer: int) -> int | None:
+        """Keys a query of `layer` sees: None, the whole causal context (no sliding window)."""
+        return None
+
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> LlamaConfig:
         arch = gf.meta("general.architecture")
@@ -259,6 +267,19 @@ class LlamaModel:
         q = rotate(np.ascontiguousarray(q), cos, sin, mode=c.rope_mode)
         k = rotate(np.ascontiguousarray(k), cos, sin, mode=c.rope_mode)
         return q, k, v
+
+    def head_kv(self, layer: int, head: int, x: np.ndarray, positions: np.ndarray):
+        """K, V rows (n, hd) of one K/V head from layer inputs x (n, dim), as `qkv` computes
+        them: RMSNorm, that head's K/V weight rows (+ bias), RoPE (a recompute replay)."""
+        c = self.config
+        h = rms_norm(x, self.weights.layers[layer].attn_norm, c.norm_eps)
+        w, b = self.kv_weights[layer][head]
+        kv = _matmul(w, h)
+        if b is not None:
+            kv += b
+        k = np.ascontiguousarray(kv[:, :c.head_dim]).reshape(len(x), 1, c.head_dim)
+        cos, sin = self.rope(positions)
+        return rotate(k, cos, sin, mode=c.rope_mode)[:, 0], kv[:, c.head_dim:]
 
     def forward_chunk(self, session, ids: np.ndarray, *, all_logits: bool = True,
                       hidden: bool = False, output: bool = True) -> np.ndarray | None:

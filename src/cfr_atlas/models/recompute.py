@@ -20,7 +20,6 @@ import numpy as np
 
 from cfr_atlas.atlas.pages import PageKey
 from cfr_atlas.errors import CapacityError, CorruptPageError
-from cfr_atlas.ops import rms_norm, rotate
 from cfr_atlas.quant import QuantWeight
 
 
@@ -119,15 +118,6 @@ class RecomputeKv:
         if tokens.stop > have:
             raise CorruptPageError(f"{key}: only {have} layer inputs kept, "
                                    f"tokens up to {tokens.stop} requested")
-        net, c = self.net, self.net.config
         x = self.inputs[key.layer][tokens.start:tokens.stop]
-        h = rms_norm(x, net.weights.layers[key.layer].attn_norm, c.norm_eps)
-        w, b = net.kv_weights[key.layer][key.kv_head]
-        kv = w.matmul(h) if not isinstance(w, list) else np.concatenate(
-            [wi.matmul(h) for wi in w], axis=1)
-        if b is not None:
-            kv += b
-        k = np.ascontiguousarray(kv[:, :c.head_dim]).reshape(len(tokens), 1, c.head_dim)
-        cos, sin = net.rope(np.arange(tokens.start, tokens.stop, dtype=np.int64))
-        k_out[...] = rotate(k, cos, sin, mode=c.rope_mode)[:, 0]
-        v_out[...] = kv[:, c.head_dim:]
+        positions = np.arange(tokens.start, tokens.stop, dtype=np.int64)
+        k_out[...], v_out[...] = self.net.head_kv(key.layer, key.kv_head, x, positions)

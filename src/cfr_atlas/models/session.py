@@ -55,7 +55,7 @@ def full_kv_bytes(config, context_limit: int, storage_dtype: str = DEFAULT_STORA
     """K + V bytes of `context_limit` tokens in the storage dtype, every layer and head: what a
     percentage budget ("10%") is a share of."""
     probe = AtlasConfig(page_tokens=1, head_dim=config.head_dim, storage_dtype=storage_dtype)
-    return context_limit * config.kv_bytes_per_token(probe.dtype.itemsize)
+    return config.kv_bytes(context_limit, probe.dtype.itemsize)
 
 
 def parse_share(value, field: str = "kv_budget") -> float | None:
@@ -186,6 +186,8 @@ class Session:
         self.token_ids: list[int] = []
         self.cached_tokens = 0
         self._heads = list(range(c.n_kv_heads))
+        # sliding-window layers: {layer: window}; their pages before the window are dropped
+        self._windows = {i: w for i in range(c.n_layers) if (w := c.window(i)) is not None}
         # prefix reuse: a PrefixCache for this page size and dtype, when the model has one
         self.prefix = None if prefix is None else prefix.cache(page_tokens, storage_dtype)
         self._builder = None if self.prefix is None else \
@@ -245,6 +247,8 @@ class Session:
         """After a chunk went through every layer: count it, and cache blocks now whole."""
         self.n_tokens += len(ids)
         self.token_ids.extend(int(t) for t in ids)
+        for layer, window in self._windows.items():  # the next query is at n_tokens
+            self.atlas.forget_before(layer, max(0, self.n_tokens - window + 1))
         if self._builder is not None:
             self._builder.complete(self.token_ids, self.n_tokens, self._page_rows)
         self._sample_peak()
@@ -259,9 +263,11 @@ class Session:
         self.backend.record(layer, pos0, x, k_st, v_st)
         self.atlas.write_stored(layer, pos0, k_st, v_st, self.policy)
 
-    def attend(self, layer: int, q: np.ndarray, context: int) -> np.ndarray:
-        """q (T, n_kv, group, hd) -> (T, n_kv, group, hd) over the whole causal context."""
-        return self.atlas.attend_heads(self.backend, layer, self._heads, q, context, self.policy)
+    def attend(self, layer: int, q: np.ndarray, context: int, **score) -> np.ndarray:
+        """q (T, n_kv, group, hd) -> (T, n_kv, group, hd) over the causal context; `score`:
+        the Atlas's scale / softcap / window options (a window reads only its pages)."""
+        return self.atlas.attend_heads(self.backend, layer, self._heads, q, context, self.policy,
+                                       **score)
 
     # --- memory ------------------------------------------------------------------------------
     def allocations(self) -> dict[str, int]:
@@ -289,7 +295,7 @@ class Session:
             "allocated_kv_by_category": alloc,
             "kv_table_bytes": t.table_bytes + self.backend.table_bytes(),
             "page_file_bytes_read": t.total.bytes_mapped + self.backend.bytes_read,
-            "full_kv_bytes": self.n_tokens * c.kv_bytes_per_token(self.atlas.config.dtype.itemsize),
+            "full_kv_bytes": c.kv_bytes(self.n_tokens, self.atlas.config.dtype.itemsize),
             "pages_regenerated": t.total.regenerations,
             "prompt_cached_tokens": self.cached_tokens,
             "hot_hit_rate": t.total.hit_rate,

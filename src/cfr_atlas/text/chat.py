@@ -27,7 +27,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from cfr_atlas.errors import ConfigError
+from cfr_atlas.errors import ConfigError, NoChatTemplateError
 from cfr_atlas.text import gguf_meta as meta
 from cfr_atlas.text.tokenizer import Tokenizer
 
@@ -165,6 +165,8 @@ class ChatTemplate:
         """From `tokenizer.chat_template` in a GGUFReader / fields mapping; ChatML if absent."""
         found = meta.read_fields(source, [meta.KEY_CHAT_TEMPLATE]).get(meta.KEY_CHAT_TEMPLATE)
         bos, eos = (_token_text(tokenizer, i) for i in (tokenizer.bos_id, tokenizer.eos_id))
+        if not found and "<|im_start|>" not in tokenizer.added_texts:
+            return MissingChatTemplate("", bos, eos)  # a base model: chat is refused, typed
         return cls(found or CHATML_TEMPLATE, bos, eos)
 
     def render(self, messages, add_generation_prompt: bool = True, **context) -> str:
@@ -211,3 +213,19 @@ class ChatTemplate:
             else:
                 ids += tokenizer.encode(escapes.restore(part), add_bos=False, add_eos=False)
         return tokenizer.wrap(ids)
+
+
+class MissingChatTemplate(ChatTemplate):
+    """What a GGUF without `tokenizer.chat_template` and without ChatML tokens gets (a base
+    model such as Gemma 3 270M): rendering raises `NoChatTemplateError`; raw prompts still work."""
+
+    def render(self, messages, add_generation_prompt: bool = True, **context) -> str:
+        raise NoChatTemplateError(
+            "this model's GGUF has no tokenizer.chat_template and no ChatML tokens (a base "
+            f"model?): chat is not available for {len(messages)} message(s); send a raw prompt "
+            "(cfr-atlas generate --raw, /api/generate with raw, /v1/completions)")
+
+    def encode(self, tokenizer: Tokenizer, messages, add_generation_prompt: bool = True,
+               **context) -> list[int]:
+        self.render(messages)  # raises
+        return []

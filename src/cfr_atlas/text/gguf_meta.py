@@ -28,6 +28,9 @@ TOKENIZER_KEYS = (
     KEY_MODEL, KEY_PRE, KEY_TOKENS, KEY_TOKEN_TYPE, KEY_MERGES, KEY_BOS, KEY_EOS, KEY_ADD_BOS,
     KEY_ADD_EOS,
 )  # fmt: skip
+# SentencePiece ("llama") vocabularies only: scores, unknown id, the space-prefix flag.
+SPM_KEYS = ("tokenizer.ggml.scores", "tokenizer.ggml.unknown_token_id",
+            "tokenizer.ggml.add_space_prefix")
 # Ids that end generation besides EOS (llama.cpp adds the FIM ones to its EOG set too).
 KEYS_EXTRA_EOG = (
     "tokenizer.ggml.eot_token_id",

@@ -9,8 +9,9 @@ without that matching unless the caller asks for it (`special=True`): user text 
 `<|im_start|>` stays those characters, and only a chat template's own literals (see chat.py) or
 an explicitly special-parsed prompt produce control ids. Decoding is done here from per-token
 byte pieces, so `decode` and `StreamDecoder` agree byte for byte; no space clean-up is applied,
-so `decode(encode(s)) == s`. It does not hold SentencePiece ("llama"),
-WordPiece or Unigram vocabularies, chat templates (chat.py) or streaming (stream.py).
+so `decode(encode(s)) == s`. SentencePiece ("llama") vocabularies are in spm.py (`from_gguf`
+dispatches there); it does not hold WordPiece or Unigram vocabularies, chat templates
+(chat.py) or streaming (stream.py).
 """
 
 from __future__ import annotations
@@ -224,12 +225,17 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, source: GGUFReader | Mapping[str, Any]) -> Tokenizer:
         """Build from a `GGUFReader`, its `.fields`, or a mapping of decoded metadata values."""
-        f = meta.read_fields(source, [*meta.TOKENIZER_KEYS, *meta.KEYS_EXTRA_EOG])
+        f = meta.read_fields(source, [*meta.TOKENIZER_KEYS, *meta.KEYS_EXTRA_EOG,
+                                      *meta.SPM_KEYS])
         model = f.get(meta.KEY_MODEL)
+        if model == "llama":  # SentencePiece: text/spm.py (imported here: it builds on this)
+            from cfr_atlas.text.spm import SpmTokenizer
+
+            return SpmTokenizer.from_fields(f)
         if model != "gpt2":
             raise ModelFormatError(
-                f"tokenizer.ggml.model is {model!r}; cfr-atlas only implements byte-level BPE "
-                "('gpt2'), not SentencePiece ('llama'), WordPiece ('bert') or Unigram ('t5')"
+                f"tokenizer.ggml.model is {model!r}; cfr-atlas implements byte-level BPE "
+                "('gpt2') and SentencePiece ('llama'), not WordPiece ('bert') or Unigram ('t5')"
             )
         for key in (meta.KEY_TOKENS, meta.KEY_MERGES):
             if key not in f:

@@ -1,0 +1,42 @@
+"""Which model class runs which GGUF `general.architecture`: one table, no isinstance switches.
+
+Every family class takes a `GGUFFile` and offers the same surface to sessions, generation and
+the regenerators: `config` (n_layers, n_kv_heads, head_dim, dim, vocab_size, context_length,
+`kv_bytes(n_tokens, itemsize)`, `window(layer)`), `forward_chunk`, `forward_batch`, `embed`,
+`head_kv`.
+This module holds only the table and the two look-ups.
+"""
+
+from __future__ import annotations
+
+from cfr_atlas.errors import UnsupportedArchitectureError
+from cfr_atlas.models.gemma3 import Gemma3Config, Gemma3Model
+from cfr_atlas.models.gguf_io import GGUFFile
+from cfr_atlas.models.llama import LlamaConfig, LlamaModel
+
+# architecture -> (model class, config class)
+FAMILIES = {
+    "llama": (LlamaModel, LlamaConfig),
+    "qwen2": (LlamaModel, LlamaConfig),
+    "gemma3": (Gemma3Model, Gemma3Config),
+}
+
+
+def _family(gf: GGUFFile):
+    arch = gf.meta("general.architecture")
+    if arch not in FAMILIES:
+        raise UnsupportedArchitectureError(
+            f"{gf.path.name}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(sorted(FAMILIES))})")
+    return FAMILIES[arch]
+
+
+def load_net(gf: GGUFFile, *, matmul: str = "float"):
+    """The model (config + weights + forward) for the file's architecture; `matmul` the
+    arithmetic of its layer products ("float" or "int8")."""
+    return _family(gf)[0](gf, matmul=matmul)
+
+
+def config_of(gf: GGUFFile):
+    """The family config of the file, without loading weights."""
+    return _family(gf)[1].from_gguf(gf)
