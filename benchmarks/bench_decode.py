@@ -171,10 +171,15 @@ def text_ids(model_path, n: int, folder) -> Path:
 
 
 def quick_model(folder) -> Path:
-    """A 2-layer Q4_1 model (dim 64) standing in for the bundled one in --quick runs."""
-    from cfr_atlas.testing import write_tiny_gguf
+    """A 2-layer Q4_1 model (dim 64) standing in for the bundled one in --quick runs, its
+    pre-tokenizer spelled "gpt-2" as llama.cpp knows it (the tiny writer's "gpt2" it refuses)."""
+    from gguf import GGUFValueType
 
-    return write_tiny_gguf(Path(folder) / "tiny.Q4_1.gguf", qtype="Q4_1")
+    from cfr_atlas.testing import rewrite_gguf, write_tiny_gguf
+
+    tiny = write_tiny_gguf(Path(folder) / "tiny.gguf", qtype="Q4_1")
+    return rewrite_gguf(tiny, Path(folder) / "tiny.Q4_1.gguf",
+                        meta={"tokenizer.ggml.pre": ("gpt-2", GGUFValueType.STRING)})
 
 
 def plans(a, files: dict, ids_path: Path) -> list[dict]:

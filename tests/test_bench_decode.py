@@ -94,20 +94,21 @@ def _tensor(r: GGUFReader, name: str):
 
 
 @pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python not installed (bench extra)")
-def test_llamacpp_ref_agrees_with_our_tokenizer_and_logits(tiny_llama):
+def test_llamacpp_ref_agrees_with_our_tokenizer_and_logits(bench, tmp_path):
     from cfr_atlas.engine import load_model
 
     ref = _load("llamacpp_ref")
-    model = load_model(tiny_llama)
+    path = bench.quick_model(tmp_path)  # tiny Q4_1 llama that llama.cpp loads
+    model = load_model(path)
     text = "The capital of France is Paris, a city with a language model."
-    ids = ref.llamacpp_tokenize(tiny_llama, text, add_bos=False)
+    ids = ref.llamacpp_tokenize(path, text, add_bos=False)
     assert ids == model.tokenize(text)
     ours = model.logits(ids)
-    theirs = ref.llamacpp_logits(tiny_llama, ids, threads=2)
+    theirs = ref.llamacpp_logits(path, ids, threads=2)
     assert theirs.shape == ours.shape == (len(ids), model.config.vocab_size)
     assert theirs.dtype == np.float32
     # llama.cpp multiplies int8-quantized activations: close to ours, never bitwise
     assert np.abs(theirs - ours).max() < 0.5
     assert (theirs.argmax(1) == ours.argmax(1)).mean() >= 0.9
     with pytest.raises(ValueError, match="n_ctx 4"):
-        ref.llamacpp_logits(tiny_llama, ids, n_ctx=4)
+        ref.llamacpp_logits(path, ids, n_ctx=4)
