@@ -18,9 +18,11 @@ beside the issue-11 targets: decode after <= 16 tokens >= 1.2x, longer decode an
 
 Settings: llama.cpp (llama-cpp-python, `benchmarks/install_llama_cpp.sh`) with
 n_threads = n_threads_batch = --threads, n_batch = n_ubatch = 512, n_ctx covering the longest
-run, its default f16 K/V and flash-attention setting; ours with its defaults (float16 K/V, no
-budget, 256-token prefill chunks). llama.cpp is skipped, with a note, when `llama_cpp` is not
-importable. This script does not check results against each other (see docs/CONFORMANCE.md).
+run, its default f16 K/V, flash attention on (what llama.cpp's own default "auto" resolves to
+on a CPU; llama-cpp-python's default is off, --flash-attn off measures that); ours with its
+defaults (float16 K/V, no budget, 256-token prefill chunks). llama.cpp is skipped, with a
+note, when `llama_cpp` is not importable. This script does not compare the engines' outputs
+(see docs/CONFORMANCE.md and benchmarks/llamacpp_ref.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import numpy as np
 ENGINES = ("ours", "llamacpp")
 NAMES = {"ours": "cfr-atlas", "llamacpp": "llama.cpp"}
 N_BATCH = 512
+VENDORED = {"0.3.36": "ggml-org/llama.cpp@0c1e57098"}  # llama-cpp-python's CHANGELOG
 
 
 def target(kind: str, n: int) -> float:
@@ -111,7 +114,8 @@ def llamacpp_worker(spec: dict, ids: np.ndarray) -> dict:
 
     llm = llama_cpp.Llama(model_path=spec["model"], n_ctx=spec["n_ctx"],
                           n_threads=spec["threads"], n_threads_batch=spec["threads"],
-                          n_batch=N_BATCH, n_ubatch=N_BATCH, verbose=False)
+                          n_batch=N_BATCH, n_ubatch=N_BATCH, flash_attn=spec["flash_attn"],
+                          verbose=False)
 
     def run_prompt(chunk, fresh: bool) -> float:
         if fresh:
@@ -127,6 +131,7 @@ def llamacpp_worker(spec: dict, ids: np.ndarray) -> dict:
 
     rows = _measure(spec, ids, run_prompt, run_token)
     info = {"version": llama_cpp.__version__,
+            "llama_cpp_commit": VENDORED.get(llama_cpp.__version__, "unknown"),
             "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
             "flash_attn": _flash_attn(llm)}
     return {"rows": rows, "info": info}
@@ -187,6 +192,7 @@ def plans(a, files: dict, ids_path: Path) -> list[dict]:
     longest = max(max(a.prompts), a.contexts[-1] + a.decode_tokens)
     base = {"threads": a.threads, "prompts": a.prompts, "contexts": a.contexts,
             "repeats": a.repeats, "decode_tokens": a.decode_tokens, "ids": str(ids_path),
+            "flash_attn": a.flash_attn == "on",
             "n_ctx": -(-(longest + 1) // 256) * 256}
     out = []
     for r in range(a.rounds):
@@ -273,6 +279,8 @@ def parse_args(argv=None):
     ap.add_argument("--formats", type=lambda s: s.split(","), default=["Q4_1", "Q4_0", "Q8_0"])
     ap.add_argument("--engines", type=lambda s: s.split(","), default=list(ENGINES),
                     help="ours,llamacpp (llamacpp is dropped if llama_cpp is not importable)")
+    ap.add_argument("--flash-attn", choices=["on", "off"], default="on",
+                    help="llama.cpp's flash attention (on: what its default 'auto' picks)")
     ap.add_argument("--threads", type=int, default=2, help="threads for both engines")
     ap.add_argument("--rounds", type=int, default=2, help="worker runs per cell (median)")
     ap.add_argument("--repeats", type=int, default=3, help="prefill repeats per run (median)")
@@ -332,7 +340,11 @@ def main(argv=None) -> int:
           f"{meta['loadavg_end'][0]:.2f} at end")
     if "llamacpp_info" in meta:
         info = meta["llamacpp_info"]
-        print(f"llama-cpp-python {info['version']} ({info['flash_attn']}): {info['system_info']}")
+        print(f"llama-cpp-python {info['version']} ({info['llama_cpp_commit']}, "
+              f"{info['flash_attn']}): {info['system_info']}")
+    if max(meta["loadavg_start"][0], meta["loadavg_end"][0]) > a.threads:
+        print("WARNING: the machine was busy (load average above --threads): spinning OpenMP "
+              "workers (llama.cpp) suffer far more than numba's; do not trust the ratios")
     print(table(rows))
     if "skipped" in meta:
         print(f"(skipped {meta['skipped']}: run benchmarks/install_llama_cpp.sh to compare)")
