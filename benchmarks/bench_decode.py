@@ -19,7 +19,10 @@ beside the issue-11 targets: decode after <= 16 tokens >= 1.2x, longer decode an
 Settings: llama.cpp (llama-cpp-python, `benchmarks/install_llama_cpp.sh`) with
 n_threads = n_threads_batch = --threads, n_batch = n_ubatch = 512, n_ctx covering the longest
 run, its default f16 K/V, flash attention on (what llama.cpp's own default "auto" resolves to
-on a CPU; llama-cpp-python's default is off, --flash-attn off measures that); ours with its
+on a CPU; llama-cpp-python's default is off, --flash-attn off measures that) and
+OMP_WAIT_POLICY=PASSIVE (on a shared, busy machine llama.cpp's spinning OpenMP barriers
+collapse: decode after 512 tokens measured 0.5-0.8 tok/s ACTIVE against 19-27 PASSIVE at load
+average 15; --omp-wait-policy active for a quiet machine); ours with its
 defaults (float16 K/V, no budget, 256-token prefill chunks). llama.cpp is skipped, with a
 note, when `llama_cpp` is not importable. This script does not compare the engines' outputs
 (see docs/CONFORMANCE.md and benchmarks/llamacpp_ref.py).
@@ -152,7 +155,8 @@ def run_worker(spec: dict) -> dict:
     """One engine on one file in a fresh process with the thread count pinned in its env."""
     t = str(spec["threads"])
     env = os.environ | {"NUMBA_NUM_THREADS": t, "OMP_NUM_THREADS": t,
-                        "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+                        "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                        "OMP_WAIT_POLICY": spec["omp_wait_policy"]}
     cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if res.returncode:
@@ -192,7 +196,7 @@ def plans(a, files: dict, ids_path: Path) -> list[dict]:
     longest = max(max(a.prompts), a.contexts[-1] + a.decode_tokens)
     base = {"threads": a.threads, "prompts": a.prompts, "contexts": a.contexts,
             "repeats": a.repeats, "decode_tokens": a.decode_tokens, "ids": str(ids_path),
-            "flash_attn": a.flash_attn == "on",
+            "flash_attn": a.flash_attn == "on", "omp_wait_policy": a.omp_wait_policy.upper(),
             "n_ctx": -(-(longest + 1) // 256) * 256}
     out = []
     for r in range(a.rounds):
@@ -281,6 +285,8 @@ def parse_args(argv=None):
                     help="ours,llamacpp (llamacpp is dropped if llama_cpp is not importable)")
     ap.add_argument("--flash-attn", choices=["on", "off"], default="on",
                     help="llama.cpp's flash attention (on: what its default 'auto' picks)")
+    ap.add_argument("--omp-wait-policy", choices=["passive", "active"], default="passive",
+                    help="OMP_WAIT_POLICY of the workers (llama.cpp's OpenMP barriers)")
     ap.add_argument("--threads", type=int, default=2, help="threads for both engines")
     ap.add_argument("--rounds", type=int, default=2, help="worker runs per cell (median)")
     ap.add_argument("--repeats", type=int, default=3, help="prefill repeats per run (median)")
@@ -313,7 +319,8 @@ def main(argv=None) -> int:
         spec = json.loads(a.worker)
         print(json.dumps(WORKERS[spec["engine"]](spec, np.load(spec["ids"]))))
         return 0
-    meta = machine() | {"threads": a.threads, "rounds": a.rounds, "repeats": a.repeats,
+    meta = machine() | {"threads": a.threads, "omp_wait_policy": a.omp_wait_policy,
+                        "flash_attn": a.flash_attn, "rounds": a.rounds, "repeats": a.repeats,
                         "decode_tokens": a.decode_tokens, "quick": a.quick}
     if "llamacpp" in a.engines and importlib.util.find_spec("llama_cpp") is None:
         a.engines = [e for e in a.engines if e != "llamacpp"]
@@ -332,6 +339,8 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
             got = run_worker(spec)
             runs.append(spec | got)
+            print("  " + ", ".join(f"{k} {v:.1f}" for k, v in got["rows"].items()),
+                  file=sys.stderr, flush=True)
             meta.setdefault(f"{spec['engine']}_info", got["info"])
     meta["loadavg_end"] = list(os.getloadavg())
     rows = collect(a, runs)
@@ -343,8 +352,8 @@ def main(argv=None) -> int:
         print(f"llama-cpp-python {info['version']} ({info['llama_cpp_commit']}, "
               f"{info['flash_attn']}): {info['system_info']}")
     if max(meta["loadavg_start"][0], meta["loadavg_end"][0]) > a.threads:
-        print("WARNING: the machine was busy (load average above --threads): spinning OpenMP "
-              "workers (llama.cpp) suffer far more than numba's; do not trust the ratios")
+        print("WARNING: the machine was busy (load average above --threads): compare within "
+              "this run only, and expect ratios to move on a quiet machine")
     print(table(rows))
     if "skipped" in meta:
         print(f"(skipped {meta['skipped']}: run benchmarks/install_llama_cpp.sh to compare)")
