@@ -1,130 +1,370 @@
-"""Prefill and decode speed of the default model, side by side with llama.cpp when available.
+"""cfr-atlas against llama.cpp on the same GGUF files, each engine in its own process.
 
-    python benchmarks/bench_decode.py [--model PATH] [--threads 2] [--repeats 3]
+    python benchmarks/bench_decode.py [--threads 2] [--rounds 2] [--plot out.png] [--json out.json]
+    python benchmarks/bench_decode.py --quick          # tiny generated model, short contexts
 
-Prints one table: prefill tokens/s for prompts of 512 and 2,048 tokens, decode tokens/s after
-16, 2,048 and 6,000 tokens of context, and peak RSS. If `llama_cpp` (llama-cpp-python) is
-importable, the same GGUF runs through llama.cpp with the same thread count in the same process
-and the table gains its numbers and our/their ratios. Timings are medians.
+Files: the bundled SmolLM2-135M Q4_1 and its Q4_0 and Q8_0 versions, written into a temporary
+folder by `requant.variants` (gguf-py's quantizers on the dequantized bundled weights; norms and
+the token embedding kept as stored). Both engines get the same token ids (the shipped validation
+text through the GGUF's tokenizer), the same threads and the same contexts:
+  * prefill N: tokens/s of N prompt tokens into an empty K/V cache (median of --repeats);
+  * decode @C: after C tokens of context, 1 / median seconds of one token (--decode-tokens steps,
+    each feeding the text's next id, so both engines do the same work).
+Each (format, engine) runs in a fresh worker process (two OpenMP / numba thread pools in one
+process fight over the cores); engines alternate within a round and the order flips every
+(round, format), and a cell is the median over --rounds. Ratios are ours / llama.cpp, printed
+beside the issue-11 targets: decode after <= 16 tokens >= 1.2x, longer decode and prefill
+>= 1.5x.
+
+Settings: llama.cpp (llama-cpp-python, `benchmarks/install_llama_cpp.sh`) with
+n_threads = n_threads_batch = --threads, n_batch = n_ubatch = 512, n_ctx covering the longest
+run, its default f16 K/V, flash attention on (what llama.cpp's own default "auto" resolves to
+on a CPU; llama-cpp-python's default is off, --flash-attn off measures that) and
+OMP_WAIT_POLICY=PASSIVE (on a shared, busy machine llama.cpp's spinning OpenMP barriers
+collapse: decode after 512 tokens measured 0.5-0.8 tok/s ACTIVE against 19-27 PASSIVE at load
+average 15; --omp-wait-policy active for a quiet machine); ours with its
+defaults (float16 K/V, no budget, 256-token prefill chunks). llama.cpp is skipped, with a
+note, when `llama_cpp` is not importable. This script does not compare the engines' outputs
+(see docs/CONFORMANCE.md and benchmarks/llamacpp_ref.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import os
-import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
-
-def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _text_ids(model, n: int) -> np.ndarray:
-    from cfr_atlas.validate import validation_text
-
-    ids = model.tokenize(validation_text())
-    return np.array(ids[:n], dtype=np.int64)
+ENGINES = ("ours", "llamacpp")
+NAMES = {"ours": "cfr-atlas", "llamacpp": "llama.cpp"}
+N_BATCH = 512
+VENDORED = {"0.3.36": "ggml-org/llama.cpp@0c1e57098"}  # llama-cpp-python's CHANGELOG
 
 
-def ours(model, prompt_lens, decode_after, repeats: int, decode_tokens: int) -> dict:
+def target(kind: str, n: int) -> float:
+    """The issue's target ratio (ours / llama.cpp) for a row."""
+    return 1.2 if kind == "decode" and n <= 16 else 1.5
+
+
+# --- workers (one engine, one file, every row) --------------------------------------------------
+def _warm(run_prompt, run_token, ids) -> None:
+    """Compile / allocate before timing: a short prompt and two single tokens."""
+    run_prompt(ids[:32], fresh=True)
+    run_token(ids[32:33])
+    run_token(ids[33:34])
+
+
+def _measure(spec: dict, ids: np.ndarray, run_prompt, run_token) -> dict:
+    """{"prefill N": tok/s, "decode @C": tok/s} with the given engine callbacks.
+
+    run_prompt(ids, fresh) feeds ids (into an empty cache if fresh); run_token(ids) one token.
+    Decode contexts are visited in increasing order on one sequence: the text's ids fill it
+    up to each context, then --decode-tokens single tokens are timed."""
+    _warm(run_prompt, run_token, ids)
+    out = {}
+    for n in spec["prompts"]:
+        times = []
+        for _ in range(spec["repeats"]):
+            times.append(run_prompt(ids[:n], fresh=True))
+        out[f"prefill {n}"] = n / statistics.median(times)
+    pos = 0
+    for i, ctx in enumerate(spec["contexts"]):
+        run_prompt(ids[pos:ctx], fresh=i == 0)
+        times = [run_token(ids[t:t + 1]) for t in range(ctx, ctx + spec["decode_tokens"])]
+        out[f"decode @{ctx}"] = 1.0 / statistics.median(times)
+        pos = ctx + spec["decode_tokens"]
+    return out
+
+
+def ours_worker(spec: dict, ids: np.ndarray) -> dict:
+    from cfr_atlas.engine import load_model
     from cfr_atlas.generate import prefill
 
-    out = {}
-    for n in prompt_lens:
-        ids = _text_ids(model, n)
-        times = []
-        for _ in range(repeats):
-            s = model.session()
-            t0 = time.perf_counter()
-            prefill(model.net, s, ids)
-            times.append(time.perf_counter() - t0)
-            s.close()
-        out[f"prefill {n}"] = n / statistics.median(times)
-    for ctx in decode_after:
-        ids = _text_ids(model, ctx)
-        s = model.session()
-        logits = prefill(model.net, s, ids)[0]
-        times = []
-        for _ in range(decode_tokens):
-            tok = np.array([int(np.argmax(logits))], dtype=np.int64)
-            t0 = time.perf_counter()
-            logits = model.net.forward_chunk(s, tok, all_logits=False)[0]
-            times.append(time.perf_counter() - t0)
-        s.close()
-        out[f"decode @{ctx}"] = 1.0 / statistics.median(times)
-    return out
+    model = load_model(spec["model"])
+    state = {"s": None}
 
+    def run_prompt(chunk, fresh: bool) -> float:
+        if fresh:
+            if state["s"] is not None:
+                state["s"].close()
+            state["s"] = model.session()  # float16 K/V, no budget: the defaults
+        t0 = time.perf_counter()
+        prefill(model.net, state["s"], chunk)
+        return time.perf_counter() - t0
 
-def theirs(path, prompt_lens, decode_after, repeats: int, decode_tokens: int, threads: int,
-           model) -> dict | None:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    llm = Llama(model_path=str(path), n_ctx=8192, n_threads=threads, n_batch=512, verbose=False)
-    out = {}
-    for n in prompt_lens:
-        ids = _text_ids(model, n).tolist()
-        times = []
-        for _ in range(repeats):
-            llm.reset()
-            t0 = time.perf_counter()
-            llm.eval(ids)
-            times.append(time.perf_counter() - t0)
-        out[f"prefill {n}"] = n / statistics.median(times)
-    for ctx in decode_after:
-        ids = _text_ids(model, ctx + decode_tokens).tolist()  # decode feeds the text's next ids
-        llm.reset()
-        llm.eval(ids[:ctx])
-        times = []
-        for tok in ids[ctx:]:
-            t0 = time.perf_counter()
-            llm.eval([tok])
-            times.append(time.perf_counter() - t0)
-        out[f"decode @{ctx}"] = 1.0 / statistics.median(times)
-    return out
+    def run_token(tok) -> float:
+        t0 = time.perf_counter()
+        model.net.forward_chunk(state["s"], tok, all_logits=False)
+        return time.perf_counter() - t0
 
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=None, help="GGUF path (default: bundled SmolLM2-135M)")
-    ap.add_argument("--threads", type=int, default=2, help="threads for both engines")
-    ap.add_argument("--repeats", type=int, default=3, help="prefill repeats (median)")
-    ap.add_argument("--decode-tokens", type=int, default=16, help="decode steps timed (median)")
-    ap.add_argument("--prompts", default="512,2048", help="prefill prompt lengths")
-    ap.add_argument("--contexts", default="16,2048,6000", help="decode context lengths")
-    a = ap.parse_args()
-    os.environ.setdefault("NUMBA_NUM_THREADS", str(a.threads))
+    rows = _measure(spec, ids, run_prompt, run_token)
+    state["s"].close()
     import numba
 
-    numba.set_num_threads(a.threads)
-    from cfr_atlas.engine import load_model
+    return {"rows": rows, "info": {"numba_threads": numba.get_num_threads()}}
 
-    rss0 = _rss_mib()
-    t0 = time.perf_counter()
-    model = load_model(a.model)
-    print(f"load: {time.perf_counter() - t0:.1f}s, file {model.path.stat().st_size / 2**20:.0f} "
-          f"MiB, peak RSS after load {_rss_mib():.0f} MiB (before {rss0:.0f})")
-    prompts = [int(x) for x in a.prompts.split(",")]
-    contexts = [int(x) for x in a.contexts.split(",")]
-    ours(model, [16], [16], 1, 2)  # warm-up: numba compile / cache load
-    mine = ours(model, prompts, contexts, a.repeats, a.decode_tokens)
-    ref = theirs(model.path, prompts, contexts, a.repeats, a.decode_tokens, a.threads, model)
-    print(f"{'workload':<16}{'cfr-atlas tok/s':>17}" + (f"{'llama.cpp tok/s':>17}{'ratio':>8}"
-                                                         if ref else ""))
-    for k, v in mine.items():
-        line = f"{k:<16}{v:>17.1f}"
-        if ref:
-            line += f"{ref[k]:>17.1f}{v / ref[k]:>8.2f}"
-        print(line)
-    if not ref:
-        print("(llama-cpp-python not installed: pip install llama-cpp-python to compare)")
-    print(f"peak RSS: {_rss_mib():.0f} MiB")
+
+def llamacpp_worker(spec: dict, ids: np.ndarray) -> dict:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=spec["model"], n_ctx=spec["n_ctx"],
+                          n_threads=spec["threads"], n_threads_batch=spec["threads"],
+                          n_batch=N_BATCH, n_ubatch=N_BATCH, flash_attn=spec["flash_attn"],
+                          verbose=False)
+
+    def run_prompt(chunk, fresh: bool) -> float:
+        if fresh:
+            llm.reset()  # eval then drops every cached cell past n_tokens = 0
+        t0 = time.perf_counter()
+        llm.eval(chunk.tolist())
+        return time.perf_counter() - t0
+
+    def run_token(tok) -> float:
+        t0 = time.perf_counter()
+        llm.eval(tok.tolist())
+        return time.perf_counter() - t0
+
+    rows = _measure(spec, ids, run_prompt, run_token)
+    info = {"version": llama_cpp.__version__,
+            "llama_cpp_commit": VENDORED.get(llama_cpp.__version__, "unknown"),
+            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
+            "flash_attn": _flash_attn(llm)}
+    return {"rows": rows, "info": info}
+
+
+def _flash_attn(llm) -> str:
+    p = llm.context_params
+    for name in ("flash_attn_type", "flash_attn"):
+        if hasattr(p, name):
+            return f"{name}={getattr(p, name)}"
+    return "unknown"
+
+
+WORKERS = {"ours": ours_worker, "llamacpp": llamacpp_worker}
+
+
+def run_worker(spec: dict) -> dict:
+    """One engine on one file in a fresh process with the thread count pinned in its env."""
+    t = str(spec["threads"])
+    env = os.environ | {"NUMBA_NUM_THREADS": t, "OMP_NUM_THREADS": t,
+                        "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                        "OMP_WAIT_POLICY": spec["omp_wait_policy"]}
+    cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    if res.returncode:
+        raise SystemExit(f"worker failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# --- the driver ---------------------------------------------------------------------------------
+def text_ids(model_path, n: int, folder) -> Path:
+    """The validation text's ids (repeated if it is short) through the file's tokenizer."""
+    from gguf import GGUFReader
+
+    from cfr_atlas.text import Tokenizer
+    from cfr_atlas.validate import validation_text
+
+    ids = Tokenizer.from_gguf(GGUFReader(model_path)).encode(validation_text())
+    ids = np.resize(np.asarray(ids, dtype=np.int64), max(n, 34))
+    path = Path(folder) / "ids.npy"
+    np.save(path, ids)
+    return path
+
+
+def quick_model(folder) -> Path:
+    """A 2-layer Q4_1 model (dim 64) standing in for the bundled one in --quick runs, its
+    pre-tokenizer spelled "gpt-2" as llama.cpp knows it (the tiny writer's "gpt2" it refuses)."""
+    from gguf import GGUFValueType
+
+    from cfr_atlas.testing import rewrite_gguf, write_tiny_gguf
+
+    tiny = write_tiny_gguf(Path(folder) / "tiny.gguf", qtype="Q4_1")
+    return rewrite_gguf(tiny, Path(folder) / "tiny.Q4_1.gguf",
+                        meta={"tokenizer.ggml.pre": ("gpt-2", GGUFValueType.STRING)})
+
+
+def plans(a, files: dict, ids_path: Path) -> list[dict]:
+    """Every worker run in order: rounds x formats x engines, the engine order flipping."""
+    longest = max(max(a.prompts), a.contexts[-1] + a.decode_tokens)
+    base = {"threads": a.threads, "prompts": a.prompts, "contexts": a.contexts,
+            "repeats": a.repeats, "decode_tokens": a.decode_tokens, "ids": str(ids_path),
+            "flash_attn": a.flash_attn == "on", "omp_wait_policy": a.omp_wait_policy.upper(),
+            "n_ctx": -(-(longest + 1) // 256) * 256}
+    out = []
+    for r in range(a.rounds):
+        for i, (fmt, path) in enumerate(files.items()):
+            engines = a.engines if (r + i) % 2 == 0 else a.engines[::-1]
+            out += [base | {"round": r, "format": fmt, "engine": e, "model": str(path)}
+                    for e in engines]
+    return out
+
+
+def collect(a, runs: list[dict]) -> list[dict]:
+    """One row per (format, workload): medians over rounds, ratio, target, met."""
+    rows = []
+    for fmt in dict.fromkeys(r["format"] for r in runs):
+        keys = [("prefill", n) for n in a.prompts] + [("decode", c) for c in a.contexts]
+        for kind, n in keys:
+            name = f"{kind} {n}" if kind == "prefill" else f"decode @{n}"
+            row = {"format": fmt, "kind": kind, "n": n, "workload": name,
+                   "target": target(kind, n)}
+            for e in ENGINES:
+                got = [r["rows"][name] for r in runs if r["format"] == fmt and r["engine"] == e]
+                row[e] = statistics.median(got) if got else None
+                row[f"{e}_runs"] = got
+            both = row["ours"] is not None and row["llamacpp"] is not None
+            row["ratio"] = row["ours"] / row["llamacpp"] if both else None
+            row["met"] = row["ratio"] >= row["target"] if both else None
+            rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| format | workload | cfr-atlas tok/s | llama.cpp tok/s | ratio | target | met |\n"
+            "|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        theirs = "-" if r["llamacpp"] is None else f"{r['llamacpp']:.1f}"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
+        lines.append(f"| {r['format']} | {r['workload']} | {r['ours']:.1f} | {theirs} | {ratio} "
+                     f"| >= {r['target']:.1f} | {met} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path) -> None:
+    """Tokens/s vs context tokens, one panel per format: decode solid, prefill dashed,
+    cfr-atlas blue, llama.cpp orange."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    formats = list(dict.fromkeys(r["format"] for r in rows))
+    fig, axes = plt.subplots(1, len(formats), figsize=(5 * len(formats), 4.2), squeeze=False)
+    for ax, fmt in zip(axes[0], formats, strict=True):
+        for j, e in enumerate(ENGINES):
+            for kind, style in (("decode", "o-"), ("prefill", "s--")):
+                sel = [r for r in rows if r["format"] == fmt and r["kind"] == kind and r[e]]
+                if sel:
+                    ax.plot([r["n"] for r in sel], [r[e] for r in sel], style, color=f"C{j}",
+                            label=f"{NAMES[e]} {kind}")
+        ax.set(xscale="log", yscale="log", title=fmt, xlabel="context / prompt tokens",
+               ylabel="tokens/s (median)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine() -> dict:
+    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines()
+                  if ln.startswith("model name")), "unknown")
+    flags = next((ln.split(":", 1)[1].split() for ln in cpu.splitlines()
+                  if ln.startswith("flags")), [])
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
+    return {"cpu": model, "cpu_flags": [f for f in wanted if f in flags],
+            "cores": os.cpu_count(), "loadavg_start": list(os.getloadavg())}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ints = lambda s: sorted(int(x) for x in s.split(",") if x)  # noqa: E731
+    ap.add_argument("--model", default=None, help="Q4_1 GGUF (default: the bundled SmolLM2)")
+    ap.add_argument("--formats", type=lambda s: s.split(","), default=["Q4_1", "Q4_0", "Q8_0"])
+    ap.add_argument("--engines", type=lambda s: s.split(","), default=list(ENGINES),
+                    help="ours,llamacpp (llamacpp is dropped if llama_cpp is not importable)")
+    ap.add_argument("--flash-attn", choices=["on", "off"], default="on",
+                    help="llama.cpp's flash attention (on: what its default 'auto' picks)")
+    ap.add_argument("--omp-wait-policy", choices=["passive", "active"], default="passive",
+                    help="OMP_WAIT_POLICY of the workers (llama.cpp's OpenMP barriers)")
+    ap.add_argument("--threads", type=int, default=2, help="threads for both engines")
+    ap.add_argument("--rounds", type=int, default=2, help="worker runs per cell (median)")
+    ap.add_argument("--repeats", type=int, default=3, help="prefill repeats per run (median)")
+    ap.add_argument("--decode-tokens", type=int, default=16, help="decode steps timed (median)")
+    ap.add_argument("--prompts", type=ints, default=[512, 2048], help="prefill lengths")
+    ap.add_argument("--contexts", type=ints, default=[16, 2048, 6000], help="decode contexts")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny generated model, prompts 32,64, contexts 16,64, 2 decode tokens, "
+                         "1 round, 1 repeat (keeps the script from rotting; not a measurement)")
+    ap.add_argument("--plot", default=None, help="write tokens/s vs context (PNG)")
+    ap.add_argument("--json", default=None, help="write meta and rows as JSON")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.prompts, a.contexts, a.decode_tokens, a.rounds, a.repeats = [32, 64], [16, 64], 2, 1, 1
+    bad = [e for e in a.engines if e not in ENGINES]
+    if bad or min(a.threads, a.rounds, a.repeats, a.decode_tokens) < 1:
+        ap.error(f"engines {bad} unknown (choose from {ENGINES}), or threads/rounds/repeats/"
+                 f"decode-tokens < 1")
+    gaps = np.diff([0, *a.contexts])
+    if not a.prompts or not a.contexts or gaps[0] < 1 or (gaps[1:] < a.decode_tokens).any():
+        ap.error(f"need prompts and contexts >= 1, contexts {a.contexts} at least "
+                 f"--decode-tokens {a.decode_tokens} apart")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.worker:
+        spec = json.loads(a.worker)
+        print(json.dumps(WORKERS[spec["engine"]](spec, np.load(spec["ids"]))))
+        return 0
+    meta = machine() | {"threads": a.threads, "omp_wait_policy": a.omp_wait_policy,
+                        "flash_attn": a.flash_attn, "rounds": a.rounds, "repeats": a.repeats,
+                        "decode_tokens": a.decode_tokens, "quick": a.quick}
+    if "llamacpp" in a.engines and importlib.util.find_spec("llama_cpp") is None:
+        a.engines = [e for e in a.engines if e != "llamacpp"]
+        meta["skipped"] = "llama.cpp: llama_cpp (llama-cpp-python) is not importable"
+    from requant import variants
+
+    with tempfile.TemporaryDirectory() as tmp:
+        from cfr_atlas.models.gguf_io import bundled_model_path
+
+        src = quick_model(tmp) if a.quick else Path(a.model or bundled_model_path())
+        files = variants(src, tmp, a.formats)
+        ids = text_ids(src, max(max(a.prompts), a.contexts[-1] + a.decode_tokens), tmp)
+        runs = []
+        for spec in plans(a, files, ids):
+            print(f"round {spec['round']}: {spec['format']} {NAMES[spec['engine']]}",
+                  file=sys.stderr, flush=True)
+            got = run_worker(spec)
+            runs.append(spec | got)
+            print("  " + ", ".join(f"{k} {v:.1f}" for k, v in got["rows"].items()),
+                  file=sys.stderr, flush=True)
+            meta.setdefault(f"{spec['engine']}_info", got["info"])
+    meta["loadavg_end"] = list(os.getloadavg())
+    rows = collect(a, runs)
+    print(f"{meta['cpu']} ({', '.join(meta['cpu_flags'])}), {a.threads} threads, medians of "
+          f"{a.rounds} round(s); load average {meta['loadavg_start'][0]:.2f} at start, "
+          f"{meta['loadavg_end'][0]:.2f} at end")
+    if "llamacpp_info" in meta:
+        info = meta["llamacpp_info"]
+        print(f"llama-cpp-python {info['version']} ({info['llama_cpp_commit']}, "
+              f"{info['flash_attn']}): {info['system_info']}")
+    if max(meta["loadavg_start"][0], meta["loadavg_end"][0]) > a.threads:
+        print("WARNING: the machine was busy (load average above --threads): compare within "
+              "this run only, and expect ratios to move on a quiet machine")
+    print(table(rows))
+    if "skipped" in meta:
+        print(f"(skipped {meta['skipped']}: run benchmarks/install_llama_cpp.sh to compare)")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    if a.plot:
+        plot(rows, a.plot)
+        print(f"wrote {a.plot}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling requant.py
+    raise SystemExit(main())
