@@ -96,3 +96,15 @@ def test_cli_inspect_and_query_scale(tiny_gemma3, capsys):
     assert "gemma3.attention.sliding_window = 24" in capsys.readouterr().out
     assert query_pre_attn(18, 640, 4, 256) == 256  # Gemma 3 270M: head_dim
     assert query_pre_attn(62, 5376, 32, 128) == 168  # 27B: dim / n_heads, as llama.cpp
+
+
+def test_prefix_cache_with_chunks_longer_than_the_window(tiny_gemma3, tmp_path):
+    """Blocks are cut before local layers forget their pages: a chunk longer than the window,
+    no budget (nothing to regenerate from), then a second run maps the blocks, bitwise."""
+    ids = _ids(100, 256)
+    plain = Model(GGUFFile(tiny_gemma3)).next_logits(ids, chunk_tokens=40, page_tokens=PAGE)
+    cached = Model(GGUFFile(tiny_gemma3), prefix_cache=tmp_path / "prefix")
+    first = cached.next_logits(ids, chunk_tokens=40, page_tokens=PAGE)
+    again = cached.next_logits(ids, chunk_tokens=40, page_tokens=PAGE)
+    assert cached.last_telemetry["prompt_cached_tokens"] > 0
+    assert np.array_equal(first, plain) and np.array_equal(again, plain)

@@ -247,10 +247,10 @@ class Session:
         """After a chunk went through every layer: count it, and cache blocks now whole."""
         self.n_tokens += len(ids)
         self.token_ids.extend(int(t) for t in ids)
+        if self._builder is not None:  # first: a block reads every layer's rows, window or not
+            self._builder.complete(self.token_ids, self.n_tokens, self._page_rows)
         for layer, window in self._windows.items():  # the next query is at n_tokens
             self.atlas.forget_before(layer, max(0, self.n_tokens - window + 1))
-        if self._builder is not None:
-            self._builder.complete(self.token_ids, self.n_tokens, self._page_rows)
         self._sample_peak()
 
     def _page_rows(self, layer: int, head: int, start: int, n: int):
