@@ -87,6 +87,21 @@ def test_user_text_never_becomes_control():
     assert tok.encode("<ctl>a", add_bos=False, special=True) == [3, TOKENS.index("a")]
 
 
+def test_control_text_spelled_by_mergeable_pieces_stays_pieces():
+    """A vocabulary whose pieces could merge into "<ctl>" (as "<ct" + "l>"): user text keeps
+    them apart; only special-text matching gives the control id."""
+    pieces = ["<", "c", "t", "l", ">", "a", "<c", "<ct", "l>"]
+    tokens = ["<unk>", "<s>", "</s>", "<ctl>", *BYTES, *pieces]
+    types = [2, C, C, C, *[B] * 256, *[N] * len(pieces)]
+    scores = [0.0, 0.0, 0.0, 10.0, *[0.0] * 256, *[-float(i) for i in range(len(pieces))]]
+    tok = SpmTokenizer(tokens, scores, types, bos_id=1, eos_id=2, unk_id=0,
+                       add_space_prefix=False)
+    plain = tok.encode("<ctl>a", add_bos=False)
+    assert 3 not in plain and tok.decode(plain) == "<ctl>a"
+    assert [tokens[i] for i in plain] == ["<ct", "l>", "a"]
+    assert tok.encode("<ctl>a", add_bos=False, special=True) == [3, tokens.index("a")]
+
+
 def test_bad_vocab_is_typed():
     with pytest.raises(ModelFormatError, match="3 tokens, 2 scores"):
         SpmTokenizer(["a", "b", "c"], [0.0, 0.0], None)

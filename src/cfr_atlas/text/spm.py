@@ -50,12 +50,18 @@ def spm_piece(text: str, kind: int) -> bytes:
     return text.encode("utf-8")  # CONTROL / USER_DEFINED / UNKNOWN: their literal text
 
 
-def spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+def spm_merges(tokens: Sequence[str], scores: Sequence[float],
+               types: Sequence[int] | None = None) -> list[tuple[str, str]]:
     """Every (left, right) with left, right and left+right in the vocabulary, ranked by the
-    score of left+right, highest first (ties by id: stable sort)."""
+    score of left+right, highest first (ties by id: stable sort). No merge makes a CONTROL
+    token (`types`): pieces of user text never join into one, so a control token comes only
+    from special-text matching. llama.cpp's merge loop has no such rule; the two differ only
+    on text that spells a control token out of mergeable pieces."""
     vocab = {t: i for i, t in enumerate(tokens)}
     found: list[tuple[float, int, str, str]] = []
     for text, i in vocab.items():
+        if types is not None and types[i] == TokenType.CONTROL:
+            continue
         for cut in range(1, len(text)):
             left, right = text[:cut], text[cut:]
             if left in vocab and right in vocab:
@@ -64,10 +70,12 @@ def spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str
     return [(left, right) for _, _, left, right in found]
 
 
-def _build_spm(tokens: Sequence[str], scores: Sequence[float], unk: str | None) -> HFTokenizer:
+def _build_spm(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int],
+               unk: str | None) -> HFTokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     try:
-        bpe = models.BPE(vocab, spm_merges(tokens, scores), unk_token=unk, byte_fallback=True,
+        bpe = models.BPE(vocab, spm_merges(tokens, scores, types), unk_token=unk,
+                         byte_fallback=True,
                          fuse_unk=True)
     except Exception as exc:  # tokenizers raises plain Exception for bad vocab/merges
         raise ModelFormatError(f"cannot build the SentencePiece BPE from GGUF tokens: {exc}") \
@@ -106,7 +114,8 @@ class SpmTokenizer(Tokenizer):
         user = _ids_of(types, TokenType.USER_DEFINED)
         self._pieces = [spm_piece(t, k) for t, k in zip(self._tokens, types, strict=True)]
         self.eos_ids = self._end_of_generation(extra_eog_ids)
-        self._hf = _build_spm(self._tokens, scores, None if unk_id is None else tokens[unk_id])
+        self._hf = _build_spm(self._tokens, scores, types,
+                              None if unk_id is None else tokens[unk_id])
         vocab = {t: i for i, t in enumerate(self._tokens)}  # last id wins, as llama.cpp
         self.added_texts = frozenset(self._tokens[i] for i in [*self._control, *user])
         self._added_id = {t: vocab[t] for t in self.added_texts}
