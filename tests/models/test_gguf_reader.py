@@ -1,10 +1,14 @@
 """The start-up reader (gguf_io._Reader) gives gguf's GGUFReader's fields and tensors exactly:
 every field's types, parts (dtype and values) and data indices, on arrays of each kind."""
 
+import struct
+
 import gguf
 import numpy as np
+import pytest
 
-from cfr_atlas.models.gguf_io import _Reader
+from cfr_atlas.errors import ModelFormatError
+from cfr_atlas.models.gguf_io import GGUFFile, _Reader
 
 
 def _same(path) -> None:
@@ -44,3 +48,23 @@ def test_arrays_of_every_kind(tmp_path):
 
 def test_tiny_model(tiny_gguf):
     _same(tiny_gguf())
+
+
+def _hostile_array(path, itype: int, n: int, tail: bytes = b"") -> None:
+    """A GGUF whose one metadata array declares n elements the file does not hold."""
+    key = b"hostile.array"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+                     + struct.pack("<IIQ", int(gguf.GGUFValueType.ARRAY), itype, n) + tail)
+
+
+@pytest.mark.parametrize("itype, n, tail", [
+    (int(gguf.GGUFValueType.STRING), 10**6, b""),
+    (int(gguf.GGUFValueType.STRING), 1 << 60, b""),
+    (int(gguf.GGUFValueType.STRING), 1, struct.pack("<Q", 1 << 40) + b"abc"),  # string too long
+    (int(gguf.GGUFValueType.UINT32), 1 << 40, b"\0" * 8),
+])
+def test_hostile_array_lengths_are_typed_errors(tmp_path, itype, n, tail):
+    path = tmp_path / "hostile.gguf"
+    _hostile_array(path, itype, n, tail)
+    with pytest.raises(ModelFormatError):
+        GGUFFile(path)

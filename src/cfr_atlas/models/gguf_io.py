@@ -53,6 +53,9 @@ class _Reader(gguf.GGUFReader):
         dt = np.dtype(dtype)
         count = int(count)
         arr = self._plain[offset:offset + dt.itemsize * count].view(dt)[:count]
+        if arr.size != count:  # past the end of the file: a truncated or hostile length
+            raise ValueError(f"{count} x {dt} at byte {offset} runs past the end of the file "
+                             f"({self._plain.size} bytes)")
         order = self.byte_order if override_order is None else override_order
         return arr.view(arr.dtype.newbyteorder(order))
 
@@ -72,8 +75,14 @@ class _Reader(gguf.GGUFReader):
             return 12 + whole.nbytes, [raw_itype, alen, *(whole[i:i + 1] for i in range(n))], \
                 list(range(2, 2 + n)), types
         parts, plain, mv = [raw_itype, alen], self._plain, memoryview(self._plain)
+        if n > (plain.size - offs) // 8:  # each string needs at least its 8-byte length
+            raise ValueError(f"array of {n} strings at byte {orig_offs} cannot fit in the file "
+                             f"({plain.size} bytes)")
         for _ in range(n):  # each string: u64 length, then the bytes
             size = int.from_bytes(mv[offs:offs + 8], sys.byteorder)
+            if offs + 8 + size > plain.size:
+                raise ValueError(f"a string of {size} bytes at byte {offs} runs past the end "
+                                 f"of the file ({plain.size} bytes)")
             parts += (plain[offs:offs + 8].view(np.uint64), plain[offs + 8:offs + 8 + size])
             offs += 8 + size
         return offs - orig_offs, parts, list(range(3, len(parts), 2)), types
