@@ -399,9 +399,9 @@ class LlamaModel:
         a = b = 0  # a: row in h, b: row in logits
         for j, r in wanted:
             if items[j].hidden:
-                results[j] = h[a:a + len(r)]
+                results[j] = h[a:a + len(r)].copy()  # its own array: holds no other's rows
             else:
-                results[j] = logits[b:b + len(r)]
+                results[j] = logits[b:b + len(r)].copy()
                 b += len(r)
             a += len(r)
         return results
