@@ -53,7 +53,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _matmul_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matmul", default="float", choices=["float", "int8"],
                    help="weight products: float32 activations (default) or int8-quantized "
-                        "activations with integer dot products, as llama.cpp")
+                        "activations with integer dot products, as llama.cpp; int8 covers "
+                        "Q8_0, Q4_0 and Q4_1 layers, other formats (K-quants, Q5) stay float")
 
 
 def _parser() -> argparse.ArgumentParser:
