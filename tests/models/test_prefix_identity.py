@@ -199,7 +199,7 @@ def test_a_file_replaced_while_opening_is_refused(tiny_llama, tmp_path, monkeypa
 
     path = tmp_path / "m.gguf"
     shutil.copyfile(tiny_llama, path)
-    real = gguf_io.gguf.GGUFReader
+    real = gguf_io._Reader  # the start-up reader GGUFFile opens files with
 
     def replacing(p, mode="r"):
         reader = real(p, mode)                 # maps the old file, then a re-export lands
@@ -207,6 +207,6 @@ def test_a_file_replaced_while_opening_is_refused(tiny_llama, tmp_path, monkeypa
         os.replace(tmp_path / "new.gguf", path)
         return reader
 
-    monkeypatch.setattr(gguf_io.gguf, "GGUFReader", replacing)
+    monkeypatch.setattr(gguf_io, "_Reader", replacing)
     with pytest.raises(ModelFormatError, match="changed while it was being opened"):
         GGUFFile(path)
