@@ -29,7 +29,7 @@ import numpy as np
 from cfr_atlas.errors import ModelFormatError
 from cfr_atlas.models.batch import BatchItem, one_by_one
 from cfr_atlas.models.gguf_io import GGUFFile
-from cfr_atlas.models.llama import LIMITS, _fused, _matmul, _weight, rope_freq_scale
+from cfr_atlas.models.llama import LIMITS, _fused, _matmul, _weight, embed_and_head, rope_freq_scale
 from cfr_atlas.ops import geglu, rms_norm, rope_cos_sin, rope_freqs, rotate
 from cfr_atlas.ops.activations import softcap
 from cfr_atlas.ops.norm import rms_norm_per_head
@@ -142,13 +142,7 @@ class Gemma3Weights:
     arithmetic, the embedding and output head stay float (as for Llama, see LlamaWeights)."""
 
     def __init__(self, gf: GGUFFile, cfg: Gemma3Config, matmul: str = "float"):
-        self.embed = _weight(gf, "token_embd.weight", "float")
-        if self.embed.shape != (cfg.vocab_size, cfg.dim):
-            raise ModelFormatError(f"token_embd.weight is {self.embed.shape}, expected "
-                                   f"({cfg.vocab_size}, {cfg.dim})")
-        self.output = (_weight(gf, "output.weight", "float") if "output.weight" in gf.tensors
-                       else self.embed)
-        self.output_norm = gf.tensor_f32("output_norm.weight")
+        self.embed, self.output, self.output_norm = embed_and_head(gf, cfg)
         self.layers = [_Layer(gf, i, matmul) for i in range(cfg.n_layers)]
 
 

@@ -201,6 +201,19 @@ def _matmul(w, x: np.ndarray) -> np.ndarray:
     return w.matmul(x)
 
 
+def embed_and_head(gf: GGUFFile, cfg) -> tuple[QuantWeight, QuantWeight, np.ndarray]:
+    """The token embedding (checked against vocab_size x dim), the output head (the embedding
+    when the file ties them) and the final norm; both matrices float arithmetic, whatever the
+    layers use (see LlamaWeights)."""
+    embed = _weight(gf, "token_embd.weight", "float")
+    if embed.shape != (cfg.vocab_size, cfg.dim):
+        raise ModelFormatError(f"token_embd.weight is {embed.shape}, expected "
+                               f"({cfg.vocab_size}, {cfg.dim})")
+    output = (_weight(gf, "output.weight", "float") if "output.weight" in gf.tensors
+              else embed)
+    return embed, output, gf.tensor_f32("output_norm.weight")
+
+
 class LlamaWeights:
     """All weights of a Llama-family model, quantized as stored in the GGUF; matmul names the
     arithmetic of the layers' products ("float" or "int8", see quant.weight.ARITHMETIC). The
@@ -208,13 +221,7 @@ class LlamaWeights:
     against 97.2% over 900 positions, measured), and prefill runs the head on one row only."""
 
     def __init__(self, gf: GGUFFile, cfg: LlamaConfig, matmul: str = "float"):
-        self.embed = _weight(gf, "token_embd.weight", "float")
-        if self.embed.shape != (cfg.vocab_size, cfg.dim):
-            raise ModelFormatError(f"token_embd.weight is {self.embed.shape}, expected "
-                                   f"({cfg.vocab_size}, {cfg.dim})")
-        self.output = (_weight(gf, "output.weight", "float") if "output.weight" in gf.tensors
-                       else self.embed)
-        self.output_norm = gf.tensor_f32("output_norm.weight")
+        self.embed, self.output, self.output_norm = embed_and_head(gf, cfg)
         self.layers = [_Layer(gf, cfg, i, matmul) for i in range(cfg.n_layers)]
 
     @property

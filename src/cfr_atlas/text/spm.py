@@ -136,17 +136,7 @@ class SpmTokenizer(Tokenizer):
 
     def _fragments(self, text: str, special: bool) -> list[str | int]:
         """`text` cut at added-token texts: control ones only if `special`, user ones always."""
-        pattern = self._added_re if special else self._user_re
-        out: list[str | int] = []
-        pos = 0
-        for m in pattern.finditer(text) if pattern is not None else ():
-            if m.start() > pos:
-                out.append(text[pos:m.start()])
-            out.append(self._added_id[m.group()])
-            pos = m.end()
-        if pos < len(text):
-            out.append(text[pos:])
-        return out
+        return self._cut(text, self._added_re if special else self._user_re)
 
     def encode(self, text: str, add_bos: bool | None = None, add_eos: bool | None = None, *,
                special: bool = False) -> list[int]:

@@ -295,9 +295,14 @@ class Tokenizer:
     def split_special(self, text: str) -> list[str | int]:
         """`text` cut at added-token texts, as `encode(special=True)` cuts it: plain pieces
         (str) and the ids of the added tokens between them, in order."""
+        return self._cut(text, self._added_re)
+
+    def _cut(self, text: str, pattern) -> list[str | int]:
+        """`text` cut at the matches of `pattern` (None: no cut): plain pieces and the ids of
+        the added tokens matched, in order."""
         out: list[str | int] = []
         pos = 0
-        for m in self._added_re.finditer(text) if self._added_re is not None else ():
+        for m in pattern.finditer(text) if pattern is not None else ():
             if m.start() > pos:
                 out.append(text[pos:m.start()])
             out.append(self._added_id[m.group()])
