@@ -22,7 +22,7 @@ from quant_data import (
 )
 
 from cfr_atlas.errors import DimensionError
-from cfr_atlas.quant import BLOCKS, QType, QuantWeight, kquants, q4_1, q5, q8_0, subblock
+from cfr_atlas.quant import BLOCKS, QType, QuantWeight, kquants, q4_0, q4_1, q5, q8_0, subblock
 from cfr_atlas.quant.subblock import Fields, Offset
 from cfr_atlas.quant.weight import CODECS
 
@@ -142,17 +142,23 @@ def test_real_file_tensors(path):
 @pytest.mark.parametrize("qtype, unpack, offset", [
     (QType.Q8_0, lambda raw: Fields(*q8_0._fields(raw)[:1], None, q8_0._fields(raw)[1]),
      Offset.NONE),
+    (QType.Q4_0, lambda raw: Fields(*q4_0._fields(raw)[:1], None, q4_0._fields(raw)[1]),
+     Offset.NONE),
     (QType.Q4_1, lambda raw: Fields(*q4_1._fields(raw)[:2], q4_1._fields(raw)[2].view(np.int8)),
      Offset.ADD),
 ])
-def test_subblock_kernels_reproduce_q8_0_and_q4_1(qtype, unpack, offset):
-    """Q8_0 and Q4_1 written as sub-block formats give their own kernels' results bit for bit:
-    the reduction order is one and the same, so those kernels could be subblock.py's."""
+def test_fast_repacks_equal_the_fields_route(qtype, unpack, offset):
+    """Q8_0, Q4_0 and Q4_1 repack their bytes straight into subblock Tiles (faster at load);
+    the generic route (unpack to Fields, then subblock's repack) gives the same tiles, hence
+    the same kernel results, bit for bit."""
     raw = quantized(qtype, 70, 192, seed=3)
-    via_subblock = subblock.codec(qtype, unpack, 32, offset)
+    via_fields = subblock.codec(qtype, unpack, 32, offset)
+    fast, generic = CODECS[qtype].repack(raw), via_fields.repack(raw)
+    for got, want in zip(fast, generic, strict=True):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
     x = np.random.default_rng(4).standard_normal((5, 192)).astype(np.float32)
     ours, theirs = (np.empty((5, 70), dtype=np.float32) for _ in range(2))
-    via_subblock.matmul(x, via_subblock.repack(raw), ours)
-    CODECS[qtype].matmul(x, CODECS[qtype].repack(raw), theirs)
+    via_fields.matmul(x, generic, ours)
+    CODECS[qtype].matmul(x, fast, theirs)
     assert_bits_equal(ours, theirs)
-    assert_bits_equal(via_subblock.dequantize(raw), CODECS[qtype].dequantize(raw))
+    assert_bits_equal(via_fields.dequantize(raw), CODECS[qtype].dequantize(raw))

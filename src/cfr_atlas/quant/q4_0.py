@@ -1,10 +1,11 @@
 """Q4_0: 4-bit weights with a per-block scale. Dequantization bitwise equal to gguf-py and a
 load-time repack that unpacks the nibbles to int8 (q - 8), which makes a Q4_0 matrix a Q8_0 one
-with small integers: kernel, twin and row reader are q8_0's. INT8 is the integer-path codec
-(int8.py): nibbles kept packed in block tiles, term_b = (d_b * d_x) * (isum_b - 8 * xsum_b),
-isum_b the dot of the stored nibbles 0..15 (the - 8 applied once per block, in integers).
+with small integers: kernel, twin and row reader are subblock.py's, as for Q8_0. INT8 is the
+integer-path codec (int8.py): nibbles kept packed in block tiles, term_b = (d_b * d_x) *
+(isum_b - 8 * xsum_b), isum_b the dot of the stored nibbles 0..15 (the - 8 applied once per
+block, in integers).
 
-Not here: a float kernel of its own (Q8_0's is exact for it), shape checks, quantization.
+Not here: a float kernel of its own (subblock.py's is exact for it), shape checks, quantization.
 """
 
 # Q4_0 block, 18 bytes for 32 weights: d f16 | qs 16 x u8, little-endian;
@@ -17,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit, prange
 
-from cfr_atlas.quant import int8, q8_0
+from cfr_atlas.quant import int8, q8_0, subblock
 from cfr_atlas.quant.formats import BLOCKS, Codec, QType
 from cfr_atlas.quant.tiles import TILE_ROWS, gather_rows, nibble_tiles, to_tiles
 
@@ -46,15 +47,15 @@ def dequantize(raw: np.ndarray) -> np.ndarray:
     return q8_0.values(d, q, np.empty(q.shape, dtype=np.float32))
 
 
-def repack(raw: np.ndarray) -> q8_0.Tiles:
-    """raw (N, row_bytes) uint8 -> q8_0.Tiles of q - 8: 1 byte per weight plus the scales."""
+def repack(raw: np.ndarray) -> subblock.Tiles:
+    """raw (N, row_bytes) uint8 -> subblock Tiles of q - 8: 1 byte per weight plus the scales."""
     blocks = np.ascontiguousarray(raw).view(BLOCK)
-    d = blocks["d"].astype(np.float32)
-    return q8_0.Tiles(nibble_tiles(blocks["qs"], int(OFFSET), np.int8), to_tiles(d))
+    a = to_tiles(blocks["d"].astype(np.float32))
+    return subblock.Tiles(nibble_tiles(blocks["qs"], int(OFFSET), np.int8), a,
+                          subblock.no_offsets(a))
 
 
-CODEC = Codec(QType.Q4_0, np.dtype(np.uint8), dequantize, repack, q8_0.unpack_rows, q8_0.matmul,
-              q8_0.matmul_numpy)
+CODEC = subblock.float_codec(QType.Q4_0, dequantize, repack, QK, subblock.Offset.NONE)
 
 
 # --- the integer path (int8.py): activations quantized per block, int32 block dots ---------

@@ -2,7 +2,8 @@
 every format whose weights are w = a_s * q (+ c_s), an integer q with a float32 scale a_s (and
 offset c_s) per sub-block s of QK consecutive columns of one row.
 
-That covers Q5_0, Q5_1 and IQ4_NL (QK = 32, one sub-block per block, q5.py), Q4_K and Q5_K
+That covers Q8_0, Q4_0 and Q4_1 (QK = 32, their own fast repacks, q8_0.py, q4_0.py, q4_1.py),
+Q5_0, Q5_1 and IQ4_NL (QK = 32, one sub-block per block, q5.py), Q4_K and Q5_K
 (QK = 32, eight per 256-element super-block) and Q2_K, Q3_K, Q6_K (QK = 16, sixteen per
 super-block) (kquants.py). A format module only unpacks its bytes into `Fields`: the per-sub-block
 a_s = d * sc_s (and c_s = dmin * m_s, subtracted, or the block's f16 m, added), computed once at
@@ -98,7 +99,7 @@ def _repack(fields: Callable[[np.ndarray], Fields], offset: Offset, raw: np.ndar
     a, c, q = fields(raw)
     tiled_a = to_tiles(a)
     if offset is Offset.NONE:
-        tiled_c = np.zeros((tiled_a.shape[0], 0), dtype=np.float32)
+        tiled_c = no_offsets(tiled_a)
     else:
         tiled_c = to_tiles(-c if offset is Offset.SUBTRACT else c)
     return Tiles(to_tiles(q), tiled_a, tiled_c)
@@ -249,7 +250,20 @@ def codec(qtype: QType, fields: Callable[[np.ndarray], Fields], qk: int,
           offset: Offset) -> Codec:
     """The Codec of a sub-block format from its unpacker: raw (rows, row_bytes) uint8 -> Fields
     with sub-blocks of qk columns, c present unless offset is Offset.NONE."""
+    return float_codec(qtype, partial(_dequantize, fields, offset),
+                       partial(_repack, fields, offset), qk, offset)
+
+
+def float_codec(qtype: QType, dequantize: Callable[[np.ndarray], np.ndarray],
+                repack: Callable[[np.ndarray], Tiles], qk: int, offset: Offset) -> Codec:
+    """The Codec of a format with its own dequantizer and repack (Q8_0, Q4_0 and Q4_1 unpack
+    their bytes straight into Tiles, faster at load than going through Fields) and this
+    module's row reader, kernel and twin."""
     has_c = offset is not Offset.NONE
-    return Codec(qtype, np.dtype(np.uint8), partial(_dequantize, fields, offset),
-                 partial(_repack, fields, offset), partial(_unpack_rows, offset),
+    return Codec(qtype, np.dtype(np.uint8), dequantize, repack, partial(_unpack_rows, offset),
                  partial(_matmul, KERNELS[qk, has_c]), partial(_matmul_numpy, qk, has_c))
+
+
+def no_offsets(a_tiles: np.ndarray) -> np.ndarray:
+    """The c of Tiles for a format without offsets: (n_tiles, 0) float32."""
+    return np.zeros((a_tiles.shape[0], 0), dtype=np.float32)
