@@ -17,7 +17,7 @@ from redis.crc import key_slot
 from cfr_atlas.errors import ConfigError
 from cfr_atlas.kv import KvBlock, PrefixCache, chain_hashes, encode_block, encoded_size
 from cfr_atlas.kv.breaker import Breaker, BreakerState
-from cfr_atlas.kv.redis_store import RedisKvStore, chain_key
+from cfr_atlas.kv.redis_store import RedisKvStore, chain_key, shown_url
 
 IDS = list(range(7, 7 + 4 * 6))  # 6 whole blocks of 4
 
@@ -246,6 +246,10 @@ def test_bad_settings_are_config_errors():
             RedisKvStore(url)
     with pytest.raises(ConfigError, match="prefix_store_ttl"):
         RedisKvStore("redis://127.0.0.1:1/0", ttl_seconds=0)
+    with pytest.raises(ConfigError) as e:
+        RedisKvStore("http://user:s3cret@host:6379/0")
+    assert "s3cret" not in str(e.value) and "user:***@host" in str(e.value)
+    assert shown_url("redis://:pw@h:1/0") == "redis://:***@h:1/0"
 
 
 def test_breaker_backs_off_exponentially_up_to_its_cap():

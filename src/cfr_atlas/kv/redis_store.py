@@ -39,6 +39,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, fields
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import redis
@@ -106,13 +107,23 @@ def connect(url: str, timeout: float = DEFAULT_TIMEOUT) -> redis.Redis:
     socket operation and no retries (the breaker decides when to try again); query options in
     the URL (e.g. ?socket_timeout=1) override. Connects lazily: a down Redis is not an error."""
     if not isinstance(url, str) or not url.startswith(SCHEMES):
+        shown = shown_url(url) if isinstance(url, str) else url
         raise ConfigError("prefix_store", f"must be a redis://HOST:PORT/DB URL (or rediss://, "
-                                          f"unix://), got {url!r:.120}")
+                                          f"unix://), got {shown!r:.120}")
     try:
         return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                     retry=Retry(NoBackoff(), 0), health_check_interval=0)
     except ValueError as e:
-        raise ConfigError("prefix_store", f"{url!r:.120}: {e}") from None
+        raise ConfigError("prefix_store", f"{shown_url(url)!r:.120}: {e}") from None
+
+
+def shown_url(url: str) -> str:
+    """`url` with any password replaced by ***, for logs and errors."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class RedisKvStore:
@@ -127,8 +138,9 @@ class RedisKvStore:
                                                   f"got {ttl_seconds!r}")
         if isinstance(queue_bytes, bool) or not isinstance(queue_bytes, int) or queue_bytes < 0:
             raise ConfigError("queue_bytes", f"must be an integer >= 0, got {queue_bytes!r}")
-        self.url, self.ttl, self.queue_bytes = url, ttl_seconds, queue_bytes
+        self.ttl, self.queue_bytes = ttl_seconds, queue_bytes
         self.redis = connect(url, timeout)
+        self.where = shown_url(url)  # for logs: without the password
         self.breaker = breaker or Breaker()
         self._delete = self.redis.register_script(_DELETE_IF_SAME)
         self._count = dict.fromkeys(_COUNTERS, 0)
@@ -152,10 +164,10 @@ class RedisKvStore:
             return SKIPPED
         try:
             result = fn()
-        except RedisError as e:
+        except Exception as e:  # RedisError (timeouts, connections) or anything unforeseen
             self.breaker.failure()
             self._add(errors=1)
-            log.warning("prefix store %s: %s: %s (skipped for %.1f s)", self.url,
+            log.warning("prefix store %s: %s: %s (skipped for %.1f s)", self.where,
                         type(e).__name__, e, self.breaker.delay)
             return FAILED
         self.breaker.success()
@@ -220,14 +232,14 @@ class RedisKvStore:
             reason, detail = "token_mismatches", "other token ids than requested"
         except IncompatibleBlockError as e:
             reason, detail = "incompatible", str(e)
-        except CorruptBlockError as e:
+        except (CorruptBlockError, ValueError) as e:  # ValueError: a shape no check foresaw
             detail = str(e)
         self._reject(key, value, reason, detail, size)
         return None
 
     def _reject(self, key: bytes, value, reason: str, detail: str, size: int) -> None:
         self._add(**{reason: 1})
-        log.warning("prefix store %s: deleting %s: %s", self.url, key.decode(), detail)
+        log.warning("prefix store %s: deleting %s: %s", self.where, key.decode(), detail)
         digest = hashlib.sha1(value if isinstance(value, bytes) else b"").hexdigest()
         self._call(lambda: self._delete(keys=[key], args=[digest, size]))
 
@@ -257,7 +269,7 @@ class RedisKvStore:
             try:
                 self._write(key, block)
             except Exception:  # a bug: keep the writer alive, the block is simply not stored
-                log.exception("prefix store %s: writer error", self.url)
+                log.exception("prefix store %s: writer error", self.where)
                 self._add(dropped=1)
             finally:
                 with self._cv:
