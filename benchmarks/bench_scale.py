@@ -1,15 +1,16 @@
 """Scale-out: one vs two `cfr-atlas serve` replicas behind a round-robin proxy, with and without
 the shared Redis prefix tier.
 
-    python benchmarks/bench_scale.py [--model PATH] [--families 2] [--prefix-words 800]
+    python benchmarks/bench_scale.py [--model PATH] [--families 2] [--prefix-blocks 4]
                                      [--clients 4] [--requests 2] [--tokens 8]
                                      [--redis URL] [--plot PATH] [--json PATH] [--quick]
 
-Prompts come in families: a long shared prefix (`--prefix-words` of the bundled validation
-text, a document) and a short distinct question; `--clients` clients each send `--requests`
-streamed greedy requests (family (client + i) mod F), all through a small round-robin proxy
-written here (starlette + httpx, streaming), so consecutive requests land on different
-replicas. Three setups, each with its own cache_salt (so each starts cold):
+Prompts come in families: a long shared prefix (a document from the bundled validation text,
+`--prefix-blocks` whole blocks of 256 tokens and a few more) and a short distinct question;
+`--clients` clients each send `--requests` streamed greedy requests (family (client + i)
+mod F), all through a small round-robin proxy written here (starlette + httpx, streaming),
+so consecutive requests land on different replicas. Three setups, each with its own
+cache_salt (so each starts cold):
 
     1 replica         one server, its own prefix cache (RAM + disk folder); the proxy has
                       one backend
@@ -45,6 +46,8 @@ import httpx
 
 from cfr_atlas.testing.redis_server import RedisServer, free_port
 from cfr_atlas.validate import validation_text
+
+BLOCK = 256  # tokens per prefix block (the server's page size)
 
 
 # --- servers and the proxy ---------------------------------------------------------------------
@@ -146,10 +149,31 @@ def _closer(resp):
 
 
 # --- the workload ------------------------------------------------------------------------------
-def family_prefix(f: int, words: int) -> str:
-    text = validation_text().split()
-    start = (f * words) % max(1, len(text) - words)
-    return f"Document {f}:\n" + " ".join(text[start:start + words]) + "\n\n"
+def load_tokenizer(model: str | None):
+    """The served model's tokenizer (from the same GGUF), to size prefixes in tokens."""
+    from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
+    from cfr_atlas.text import Tokenizer
+
+    return Tokenizer.from_gguf(GGUFFile(model or bundled_model_path()).reader)
+
+
+def family_prefixes(tokenizer, families: int, blocks: int) -> list[str]:
+    """One document per family whose text is `blocks` whole blocks of 256 tokens and 2-9
+    tokens more (so a question after it shares exactly those blocks: a merge across the
+    junction can only change the last few tokens)."""
+    words, out = validation_text().split(), []
+    want = blocks * BLOCK + 2
+    for f in range(families):
+        start = (f * 997) % max(1, len(words) - 4 * want)
+        n = want // 2
+        while len(tokenizer.encode(_doc(f, words[start:start + n]))) < want:
+            n += 1
+        out.append(_doc(f, words[start:start + n]))
+    return out
+
+
+def _doc(f: int, words: list[str]) -> str:
+    return f"Document {f}:\n" + " ".join(words) + "\n\n"
 
 
 def question(j: int) -> str:
@@ -184,8 +208,7 @@ def replay(url: str, a, salt: str) -> dict:
     def client(c: int):
         for i in range(a.requests):
             f = (c + i) % a.families
-            r = stream(url, family_prefix(f, a.prefix_words) + question(c * 100 + i), a.tokens,
-                       salt)
+            r = stream(url, a.prefixes[f] + question(c * 100 + i), a.tokens, salt)
             with lock:
                 out.append(r)
 
@@ -213,7 +236,7 @@ def never_saw_it(a_url: str, b_url: str, a, salt: str) -> list[dict]:
     the prefix) and the same one to A."""
     rows = []
     for f in range(a.families):
-        prefix = family_prefix(f, a.prefix_words)
+        prefix = a.prefixes[f]
         first = stream(a_url, prefix + question(1000 + f), a.tokens, salt)
         time.sleep(0.2)
         other = stream(b_url, prefix + question(2000 + f), a.tokens, salt)
@@ -325,8 +348,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF path (default: the bundled model)")
     ap.add_argument("--families", type=int, default=2, help="prompt families (default 2)")
-    ap.add_argument("--prefix-words", type=int, default=800,
-                    help="words of each family's shared prefix (default 800, ~1,100 tokens)")
+    ap.add_argument("--prefix-blocks", type=int, default=4,
+                    help="whole 256-token blocks in each family's shared prefix (default 4)")
     ap.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
     ap.add_argument("--requests", type=int, default=2, help="requests per client (default 2)")
     ap.add_argument("--tokens", type=int, default=8, help="greedy tokens per request")
@@ -335,10 +358,11 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None, metavar="PATH", help="write a PNG")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     ap.add_argument("--quick", action="store_true",
-                    help="tiny sizes (1 family, 260 words, 2 clients x 1 request, 2 tokens)")
+                    help="tiny sizes (1 family of 1 block, 2 clients x 1 request, 2 tokens)")
     a = ap.parse_args(argv)
     if a.quick:
-        a.families, a.prefix_words, a.clients, a.requests, a.tokens = 1, 260, 2, 1, 2
+        a.families, a.prefix_blocks, a.clients, a.requests, a.tokens = 1, 1, 2, 1, 2
+    a.prefixes = family_prefixes(load_tokenizer(a.model), a.families, a.prefix_blocks)
     server = None if a.redis else RedisServer(maxmemory="1gb").start()
     url = a.redis or server.url
     import redis
@@ -351,7 +375,7 @@ def main(argv=None) -> int:
         if server is not None:
             server.stop()
     print(f"bench_scale: model {a.model or 'bundled'}, {a.families} families x "
-          f"{a.prefix_words} words, {a.clients} clients x {a.requests} requests, "
+          f"{a.prefix_blocks} blocks, {a.clients} clients x {a.requests} requests, "
           f"{a.tokens} tokens each, {os.cpu_count()} CPUs visible")
     print(tables(result))
     if a.json:
