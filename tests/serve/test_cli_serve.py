@@ -43,7 +43,8 @@ def test_serve_passes_the_prefix_cache_options_to_load_model(monkeypatch, tmp_pa
     monkeypatch.setattr(serve_pkg, "serve", lambda config, **kw: seen.update(kw))
     assert cli.main(["serve", "--prefix-cache", str(tmp_path), "--prefix-cache-bytes",
                      "2GiB"]) == 0
-    assert seen == {"prefix_cache": str(tmp_path), "prefix_cache_bytes": "2GiB", "matmul": "float"}
+    assert seen == {"prefix_cache": str(tmp_path), "prefix_cache_bytes": "2GiB", "matmul": "float",
+                    "prefix_store": None, "prefix_store_ttl": None}
 
 
 def test_serve_accepts_a_percentage_budget(monkeypatch, tiny_llama, tmp_path):
@@ -64,3 +65,23 @@ def test_serve_refuses_a_bad_percentage(capsys):
     assert cli.main(["serve", "--kv-budget", "0%"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cfr-atlas: error: kv_budget: ") and "e.g. 10%" in err
+
+
+def test_serve_passes_the_prefix_store_options_to_load_model(monkeypatch):
+    import cfr_atlas.serve as serve_pkg
+
+    seen = {}
+    monkeypatch.setattr(serve_pkg, "serve", lambda config, **kw: seen.update(kw))
+    assert cli.main(["serve", "--prefix-store", "redis://10.0.0.5:6379/2",
+                     "--prefix-store-ttl", "3600"]) == 0
+    assert (seen["prefix_store"], seen["prefix_store_ttl"]) == ("redis://10.0.0.5:6379/2", 3600)
+
+
+def test_serve_refuses_a_bad_prefix_store(monkeypatch, tiny_llama, capsys):
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    assert cli.main(["serve", "--model", str(tiny_llama), "--prefix-store",
+                     "http://localhost:6379"]) == 2
+    assert "prefix_store: must be a redis://HOST:PORT/DB URL" in capsys.readouterr().err
+    assert cli.main(["serve", "--model", str(tiny_llama), "--prefix-store",
+                     "redis://127.0.0.1:1/0", "--prefix-store-ttl", "0"]) == 2
+    assert "prefix_store_ttl" in capsys.readouterr().err

@@ -1,5 +1,7 @@
 """K/V storage outside the hot cache: the spilled page file of a live sequence, the paged block
-pool, chained block hashes, the cache signature, and the persistent prefix cache (RAM + disk).
+pool, chained block hashes, the cache signature, and the persistent prefix cache (RAM + disk,
+and the shared Redis tier of kv/redis_store.py, not imported here: the redis client loads only
+when a store is asked for).
 
 Sits on `atlas` (page keys, storage dtypes); models and generation sit above it.
 """

@@ -1,7 +1,8 @@
 """Prefix reuse for sessions: map cached whole blocks in, build new blocks as rows are computed.
 
-`PrefixTier` belongs to a `Model`: one `DiskKvStore` (optional) and one `PrefixCache` per
-(page size, storage dtype), whose signatures differ so their chains never meet. A session
+`PrefixTier` belongs to a `Model`: one `DiskKvStore` and one shared `RedisKvStore` (each
+optional) and one `PrefixCache` per (page size, storage dtype), whose signatures differ so
+their chains never meet. A session
 whose prompt starts with cached blocks gets those rows written into its hot cache as the policy
 allows; a spill session also writes them to its page file, and a recompute session (which has
 no layer inputs for them) keeps them: `BlockSource` serves every page of the mapped prefix from
@@ -39,10 +40,16 @@ class PrefixTier:
     """The model's prefix caches (RAM + one shared disk store)."""
 
     def __init__(self, net, model_id: str, folder, *, ram_bytes: int = DEFAULT_RAM_BYTES,
-                 disk_bytes: int = DEFAULT_DISK_BYTES):
+                 disk_bytes: int = DEFAULT_DISK_BYTES, store: str | None = None,
+                 store_ttl: int | None = None):
         self.net, self.model_id, self.ram_bytes = net, model_id, ram_bytes
         self.disk = None if folder is None else DiskKvStore(Path(folder).expanduser(),
                                                             budget_bytes=disk_bytes)
+        self.remote = None
+        if store is not None:  # imported here: the redis client only when a store is asked for
+            from cfr_atlas.kv.redis_store import RedisKvStore
+
+            self.remote = RedisKvStore(store, ttl_seconds=store_ttl)
         self.caches: dict[tuple[int, str], PrefixCache] = {}
 
     def cache(self, page_tokens: int, storage_dtype: str) -> PrefixCache:
@@ -53,12 +60,15 @@ class PrefixTier:
                                  n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                                  storage_dtype=storage_dtype, block_tokens=page_tokens,
                                  rope_theta=c.rope_theta, rope_mode=c.rope_mode)
-            self.caches[key] = PrefixCache(sig, ram_bytes=self.ram_bytes, disk=self.disk)
+            self.caches[key] = PrefixCache(sig, ram_bytes=self.ram_bytes, disk=self.disk,
+                                           remote=self.remote)
         return self.caches[key]
 
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+        if self.remote is not None:
+            self.remote.close()
 
 
 def held_bytes(blocks) -> int:
@@ -156,6 +166,7 @@ class BlockBuilder:
                 for head in range(n_kv):
                     k[layer, head], v[layer, head] = page_rows(layer, head, b * B, B)
             self.chain.append(h)
-            self.cache.insert(KvBlock(h, ids, self.sig, k, v))
+            self.cache.insert(KvBlock(h, ids, self.sig, k, v), root=self.root,
+                              first=self.chain[0])
             done += 1
         return done

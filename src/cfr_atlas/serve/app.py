@@ -33,6 +33,7 @@ async def _root(request: Request) -> Response:
 async def _metrics(request: Request) -> Response:
     state = request.app.state
     text = metrics.render(state.counts.snapshot(), state.service.scheduler.stats())
+    text += metrics.render_store(state.service.model.prefix_store_stats())
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
@@ -79,7 +80,8 @@ def create_app(model, config: ServerConfig | None = None) -> Starlette:
 
 def serve(config: ServerConfig, **load_kw) -> None:
     """Load the model (`load_model(config.model_path, **load_kw)`: prefix_cache,
-    prefix_cache_bytes) and serve it with uvicorn until interrupted."""
+    prefix_cache_bytes, prefix_store, prefix_store_ttl) and serve it with uvicorn until
+    interrupted."""
     import uvicorn
 
     from cfr_atlas.engine import load_model

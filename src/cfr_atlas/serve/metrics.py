@@ -3,7 +3,8 @@
 `RequestCounter` is ASGI middleware that counts responses by route and status at one point
 (the response start), so handlers carry no metrics code; the scheduler's `SchedulerStats`
 supply the rest: counters, gauges, and histograms of the batched steps (sequences and tokens
-per forward pass) and of the time requests wait for a slot. Paths outside the served routes
+per forward pass) and of the time requests wait for a slot; with `--prefix-store`, the shared
+Redis tier's `RemoteStats` add the cfr_atlas_prefix_store_* lines. Paths outside the served routes
 share the label "other", so random URLs cannot grow the label set. This module does no model work.
 """
 
@@ -44,6 +45,34 @@ _HISTOGRAMS = (
     ("cfr_atlas_queue_seconds", "Seconds a request waited between submission and its first "
      "step.", "queue_seconds"),
 )
+
+
+# (name, type, help, RemoteStats field): the shared prefix store (kv/redis_store.py)
+_STORE_METRICS = (
+    ("cfr_atlas_prefix_store_hits_total", "counter", "Prefix blocks read from the shared store.",
+     "hits"),
+    ("cfr_atlas_prefix_store_misses_total", "counter", "Lookups that ended at a block the shared "
+     "store does not hold.", "misses"),
+    ("cfr_atlas_prefix_store_skipped_reads_total", "counter", "Lookups that skipped the store "
+     "(breaker open).", "skipped_reads"),
+    ("cfr_atlas_prefix_store_read_bytes_total", "counter", "Block bytes read and used.",
+     "bytes_read"),
+    ("cfr_atlas_prefix_store_writes_total", "counter", "Blocks written.", "writes"),
+    ("cfr_atlas_prefix_store_present_total", "counter", "Writes skipped: the block was already "
+     "stored.", "present"),
+    ("cfr_atlas_prefix_store_written_bytes_total", "counter", "Block bytes written.",
+     "bytes_written"),
+    ("cfr_atlas_prefix_store_dropped_writes_total", "counter", "Writes dropped: queue full or "
+     "breaker open.", "dropped"),
+    ("cfr_atlas_prefix_store_errors_total", "counter", "Store errors and timeouts.", "errors"),
+    ("cfr_atlas_prefix_store_breaker_opens_total", "counter", "Times the breaker opened.",
+     "breaker_opens"),
+    ("cfr_atlas_prefix_store_breaker_state", "gauge", "Breaker: 0 closed, 1 open, 2 half-open.",
+     "breaker_state"),
+    ("cfr_atlas_prefix_store_queued_bytes", "gauge", "Bytes waiting in the write-behind queue.",
+     "queued_bytes"),
+)
+_STORE_REJECTS = ("corrupt", "incompatible", "token_mismatches")
 
 
 class RequestCounts:
@@ -92,6 +121,21 @@ def render(requests: dict[tuple[str, int], int], stats: SchedulerStats) -> str:
     for name, help_text, field in _HISTOGRAMS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram",
                   *_histogram_lines(name, getattr(stats, field))]
+    return "\n".join(lines) + "\n"
+
+
+def render_store(stats) -> str:
+    """The shared prefix store's lines ("" without a store: `stats` None)."""
+    if stats is None:
+        return ""
+    lines = []
+    for name, kind, help_text, field in _STORE_METRICS:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
+                  f"{name} {getattr(stats, field)}"]
+    name = "cfr_atlas_prefix_store_rejected_total"
+    lines += [f"# HELP {name} Stored blocks rejected and deleted, by reason.",
+              f"# TYPE {name} counter",
+              *(f'{name}{{reason="{r}"}} {getattr(stats, r)}' for r in _STORE_REJECTS)]
     return "\n".join(lines) + "\n"
 
 
