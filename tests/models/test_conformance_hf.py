@@ -27,6 +27,9 @@ the numbers recorded in docs/CONFORMANCE.md. Without the packages they skip, exc
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -42,14 +45,21 @@ MIN_ARGMAX = 0.99
 
 
 def hf_logits(path, ids: list[int]) -> np.ndarray:
-    """Logits (T, vocab) float32 from transformers loading the GGUF at `path` as float32."""
+    """Logits (T, vocab) float32 from transformers loading the GGUF at `path` as float32
+    (remembered per file and ids: loading a real GGUF into transformers takes a minute)."""
+    return _hf_logits(str(path), tuple(ids))
+
+
+@functools.lru_cache(maxsize=2)
+def _hf_logits(path: str, ids: tuple[int, ...]) -> np.ndarray:
     import torch
     from transformers import AutoModelForCausalLM
 
+    path = Path(path)
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                               dtype=torch.float32).eval()
     with torch.inference_mode():
-        out = hf(torch.tensor([ids], dtype=torch.long)).logits[0]
+        out = hf(torch.tensor([list(ids)], dtype=torch.long)).logits[0]
     return out.to(torch.float32).numpy()
 
 
@@ -115,3 +125,25 @@ def test_bundled_model_matches_transformers(bundled_model_path, storage_dtype, r
     ours, theirs, _ = ours_and_hf(bundled_model_path, storage_dtype)
     check(compare(f"bundled {bundled_model_path.name}, {storage_dtype} K/V", ours, theirs),
           rel_tol)
+
+
+# The real models of issue 12 (Q4_K_M mixes of Q4_K, Q5_0, Q6_K, Q8_0 and F32), fetched by the
+# real_model fixture as `make test` already did. Same bounds as above with float32 K/V (measured
+# 2.2e-6 relative on Gemma 3 270M, 2.1e-6 on Qwen2.5-Coder-0.5B: a 10x margin). With the default
+# float16 K/V Gemma 3 measures 1.8e-3 relative (0.059 at logits up to 33; head_dim 256 and the
+# model's large activations), too close to REL_TOL_F16 for a bound: REAL_TOL_F16 = 4e-3 is 2x
+# that. Against these, llama.cpp's own logits differ by 3.2 (Gemma 3) and 0.7 (Qwen2.5) at most
+# on a 1,024-token text (docs/CONFORMANCE.md): the gap of issue 12's llama.cpp conformance is
+# llama.cpp's approximations, not ours.
+REAL_TOL_F16 = 4e-3
+
+
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.parametrize("name", ["gemma3-270m", "qwen2.5-coder-0.5b"])
+@pytest.mark.parametrize("storage_dtype, rel_tol", [("float32", REL_TOL),
+                                                    ("float16", REAL_TOL_F16)])
+def test_real_model_matches_transformers(real_model, name, storage_dtype, rel_tol):
+    path = real_model(name)
+    ours, theirs, _ = ours_and_hf(path, storage_dtype)
+    check(compare(f"{name}, {storage_dtype} K/V", ours, theirs), rel_tol)
