@@ -37,7 +37,6 @@ from cfr_atlas.serve.service import Handle, Service, shrink
 
 API_VERSION = "0.6.0"  # the Ollama release whose endpoints and fields this module follows
 _UNSUPPORTED = (("images", "the model reads text only"),
-                ("format", "no constrained JSON output"),
                 ("suffix", "no fill-in-the-middle"),
                 ("template", "the GGUF's own chat template is always used"),
                 ("context", "deprecated upstream; send the conversation to /api/chat"),
@@ -66,18 +65,45 @@ def done_fields(handle: Handle, outcome) -> dict:
             "cfr_atlas": {**outcome.telemetry, "queue_seconds": outcome.queue_seconds}}
 
 
-async def _respond(request: Request, handle: Handle, name: str, streaming: bool, wrap):
-    """One JSON object, or NDJSON: a line per text piece, then the final line with stats."""
+def _logprob(service: Service, scored) -> dict:
+    """Ollama's shape: {"token", "logprob", "bytes", "top_logprobs": [...]}."""
+    def entry(token: int, logprob: float) -> dict:
+        return {"token": service.token_text(token), "logprob": logprob,
+                "bytes": list(service.token_bytes(token))}
+    return {**entry(scored.token, scored.logprob),
+            "top_logprobs": [entry(t, lp) for t, lp in scored.top]}
+
+
+async def _respond(request: Request, handle: Handle, name: str, streaming: bool, wrap,
+                   logprobs: bool = False):
+    """One JSON object, or NDJSON: a line per text piece, then the final line with stats.
+    With `logprobs`, each object carries the entries of the tokens its text came from."""
+    service = _service(request)
     if not streaming:
         text, outcome = await until_done(request, handle, handle.result())
-        return JSONResponse({"model": name, "created_at": _now(), **wrap(text),
+        extra = {"logprobs": [_logprob(service, s) for s in outcome.logprobs]} if logprobs \
+            else {}
+        return JSONResponse({"model": name, "created_at": _now(), **wrap(text), **extra,
                              **done_fields(handle, outcome)})
+    pending: list = []
+
+    def scores() -> dict:
+        if not logprobs:
+            return {}
+        out = [_logprob(service, s) for s in pending]
+        pending.clear()
+        return {"logprobs": out}
 
     def render(kind: str, value) -> bytes:
         head = {"model": name, "created_at": _now()}
+        if kind == "logprobs":
+            pending.extend(value)
+            return b""
         if kind == "text":
-            return ndjson({**head, **wrap(value), "done": False})
-        return ndjson({**head, **wrap(""), **done_fields(handle, value)})
+            return ndjson({**head, **wrap(value), **scores(), "done": False})
+        if kind != "done":
+            return b""
+        return ndjson({**head, **wrap(""), **scores(), **done_fields(handle, value)})
 
     return await stream(request, handle, render, lambda e: ndjson({"error": str(e)}),
                         "application/x-ndjson")
@@ -112,13 +138,14 @@ async def generate(request: Request) -> Response:
         messages = ([{"role": "system", "content": system}] if system else [])
         ids = service.chat_ids(messages + [{"role": "user", "content": prompt}])
     handle = service.start_generation(ids, opts)
-    return await _respond(request, handle, name, streaming, lambda text: {"response": text})
+    return await _respond(request, handle, name, streaming, lambda text: {"response": text},
+                          opts.logprobs is not None)
 
 
 @endpoint(ollama_error)
 async def chat(request: Request) -> Response:
     service, body, name = await _request(request)
-    for key, why in _UNSUPPORTED[1:]:
+    for key, why in [u for u in _UNSUPPORTED if u[0] != "images"]:
         refuse(body, key, why)
     streaming = get_bool(body, "stream", True)
     opts = ollama_options(body, service.context_length)
@@ -129,7 +156,8 @@ async def chat(request: Request) -> Response:
     messages = chat_messages(body)  # an explicit [] is a 400
     handle = service.start_generation(service.chat_ids(messages), opts)
     return await _respond(request, handle, name, streaming,
-                          lambda text: {"message": {"role": "assistant", "content": text}})
+                          lambda text: {"message": {"role": "assistant", "content": text}},
+                          opts.logprobs is not None)
 
 
 @endpoint(ollama_error)

@@ -60,18 +60,56 @@ def _usage(outcome) -> dict:
                 "cached_tokens": outcome.telemetry.get("prompt_cached_tokens", 0)}}
 
 
-def _choice(chat: bool, text: str | None, finish: str | None, *, delta: bool) -> dict:
+class _Scores:
+    """Log-probabilities in OpenAI's shapes: chat {"content": [{"token", "logprob", "bytes",
+    "top_logprobs"}]}; completions {"tokens", "token_logprobs", "top_logprobs",
+    "text_offset"}. `first` is the echoed prompt's first token (no logprob: nothing before
+    it); `offset` counts the characters of text already sent, for `text_offset`."""
+
+    def __init__(self, service: Service, chat: bool, first: int | None = None):
+        self.service, self.chat, self.first = service, chat, first
+        self.offset = 0
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        return {"token": self.service.token_text(token), "logprob": logprob,
+                "bytes": list(self.service.token_bytes(token))}
+
+    def render(self, scored: list) -> dict:
+        if self.chat:
+            return {"content": [{**self._entry(s.token, s.logprob),
+                                 "top_logprobs": [self._entry(t, lp) for t, lp in s.top]}
+                                for s in scored], "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if self.first is not None:  # the echoed prompt's first token
+            scored = [None, *scored]
+        for s in scored:
+            token = self.first if s is None else s.token
+            text = self.service.token_text(token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if s is None else s.logprob)
+            out["top_logprobs"].append(None if s is None else {
+                self.service.token_text(t): lp for t, lp in s.top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        self.first = None
+        return out
+
+
+def _choice(chat: bool, text: str | None, finish: str | None, *, delta: bool,
+            logprobs: dict | None = None) -> dict:
     if not chat:
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     key = "delta" if delta else "message"
     body = {} if text is None else ({"content": text} if delta else
                                     {"role": "assistant", "content": text})
-    return {"index": 0, key: body, "logprobs": None, "finish_reason": finish}
+    return {"index": 0, key: body, "logprobs": logprobs, "finish_reason": finish}
 
 
 async def _respond(request: Request, handle: Handle, name: str, *, chat: bool,
-                   streaming: bool, include_usage: bool, prefix: str = "") -> Response:
-    """A chat.completion / text_completion object, or their SSE chunks then [DONE]."""
+                   streaming: bool, include_usage: bool, prefix: str = "",
+                   scores: _Scores | None = None) -> Response:
+    """A chat.completion / text_completion object, or their SSE chunks then [DONE].
+    With `scores`, choices carry log-probabilities (see `_Scores`)."""
     from cfr_atlas import __version__
 
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
@@ -80,12 +118,23 @@ async def _respond(request: Request, handle: Handle, name: str, *, chat: bool,
             "system_fingerprint": f"cfr-atlas-{__version__}"}
     if not streaming:
         text, outcome = await until_done(request, handle, handle.result())
+        lp = None if scores is None else scores.render(
+            [*outcome.prompt_logprobs, *outcome.logprobs])
         return JSONResponse({**head, "choices": [_choice(chat, prefix + text,
-                                                         outcome.done_reason, delta=False)],
+                                                         outcome.done_reason, delta=False,
+                                                         logprobs=lp)],
                              "usage": _usage(outcome), "cfr_atlas": outcome.telemetry})
     if chat:
         head["object"] = "chat.completion.chunk"
     opened = [False]
+    pending: list = []
+
+    def taken() -> dict | None:
+        if scores is None or not pending:
+            return None
+        out = scores.render(list(pending))
+        pending.clear()
+        return out
 
     def opening() -> bytes:
         """The role delta of a chat stream; the echoed prompt of a completion stream."""
@@ -93,16 +142,22 @@ async def _respond(request: Request, handle: Handle, name: str, *, chat: bool,
             choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
                       "logprobs": None, "finish_reason": None}
             return sse({**head, "choices": [choice]})
-        return sse({**head, "choices": [_choice(False, prefix, None, delta=True)]}) if prefix \
-            else b""
+        if not prefix:
+            return b""
+        return sse({**head, "choices": [_choice(False, prefix, None, delta=True,
+                                                logprobs=taken())]})
 
     def render(kind: str, value) -> bytes:
+        if kind in ("logprobs", "prompt_logprobs"):
+            pending.extend(value)
+            return b""
         out = b"" if opened[0] else opening()
         opened[0] = True
         if kind == "text":
-            return out + sse({**head, "choices": [_choice(chat, value, None, delta=True)]})
+            return out + sse({**head, "choices": [_choice(chat, value, None, delta=True,
+                                                          logprobs=taken())]})
         out += sse({**head, "choices": [_choice(chat, None if chat else "", value.done_reason,
-                                                delta=True)]})
+                                                delta=True, logprobs=taken())]})
         if include_usage:
             out += sse({**head, "choices": [], "usage": _usage(value)})
         return out + sse("[DONE]")
@@ -120,8 +175,9 @@ async def chat_completions(request: Request) -> Response:
     include_usage = get_bool(get_object(body, "stream_options"), "include_usage", False,
                              where="stream_options.")
     handle = service.start_generation(service.chat_ids(messages), opts)
+    scores = None if opts.logprobs is None else _Scores(service, chat=True)
     return await _respond(request, handle, name, chat=True, streaming=streaming,
-                          include_usage=include_usage)
+                          include_usage=include_usage, scores=scores)
 
 
 @endpoint(openai_error)
@@ -135,7 +191,7 @@ async def completions(request: Request) -> Response:
     refuse(body, "suffix", "no fill-in-the-middle")
     if body.get("best_of") not in (None, 1):
         raise ConfigError("best_of", f"only best_of=1 is supported, got {body['best_of']!r:.40}")
-    opts = openai_options(body, service.context_length)
+    opts = openai_options(body, service.context_length, chat=False)
     streaming = get_bool(body, "stream", False)
     include_usage = get_bool(get_object(body, "stream_options"), "include_usage", False,
                              where="stream_options.")
@@ -145,9 +201,12 @@ async def completions(request: Request) -> Response:
     echo = get_bool(body, "echo", False)
     prefix = "" if not echo else (prompt if isinstance(prompt, str)
                                   else service.model.detokenize(prompt))
-    handle = service.start_generation(ids, opts)
+    scoring = echo and opts.logprobs is not None  # prompt scoring: every prompt token too
+    handle = service.start_generation(ids, opts, prompt_logprobs=scoring)
+    scores = None if opts.logprobs is None else _Scores(
+        service, chat=False, first=ids[0] if scoring else None)
     return await _respond(request, handle, name, chat=False, streaming=streaming,
-                          include_usage=include_usage, prefix=prefix)
+                          include_usage=include_usage, prefix=prefix, scores=scores)
 
 
 @endpoint(openai_error)

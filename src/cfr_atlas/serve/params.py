@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cfr_atlas.errors import ConfigError
+from cfr_atlas.logprobs import MAX_TOP
 from cfr_atlas.models.session import check_kv_budget
 from cfr_atlas.sampling import SamplingParams
 
@@ -24,6 +25,7 @@ MAX_STOPS = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_EMBED_INPUTS = 2048  # inputs per embedding request (OpenAI's own limit)
 MAX_SALT_CHARS = 256  # cache_salt length
+MAX_COMPLETION_TOP = 5  # /v1/completions `logprobs` (OpenAI's limit)
 
 
 def _short(value, limit: int = 80) -> str:
@@ -146,6 +148,18 @@ class GenOptions:
     num_ctx: int | None = None  # context limit for this request; None: the model's
     kv_budget: int | str | None = None  # bytes or "10%"; None: the server's --kv-budget
     cache_salt: str | None = None  # prefix-cache isolation key; None: the shared, unsalted one
+    json_format: JsonFormat | None = None  # structured output; None: free text
+    logprobs: int | None = None  # None: off; else alternatives per token (0 to MAX_TOP)
+    truncate: bool = False  # a prompt over the context limit keeps its end instead of a 400
+
+
+@dataclass(frozen=True)
+class JsonFormat:
+    """Structured output: JSON matching `schema` (None: any JSON object); `field` names the
+    request field it came from, for errors."""
+
+    schema: Mapping | None
+    field: str
 
 
 def _sampling(src: Mapping, where: str) -> SamplingParams:
@@ -205,7 +219,32 @@ def ollama_options(body: Mapping, context_length: int) -> GenOptions:
         num_ctx=_num_ctx(opts, where, context_length),
         kv_budget=kv_budget(opts, where),
         cache_salt=ollama_salt(body),
+        json_format=ollama_format(body),
+        logprobs=_top_logprobs(body, get_bool(body, "logprobs", False), MAX_TOP),
+        truncate=get_bool(body, "truncate", False),
     )
+
+
+def ollama_format(body: Mapping) -> JsonFormat | None:
+    """`format`: "json" (any JSON object), a JSON schema object, or absent / "" (free text)."""
+    value = body.get("format")
+    if value is None or value == "":
+        return None
+    if value == "json":
+        return JsonFormat(None, "format")
+    if isinstance(value, Mapping):
+        return JsonFormat(value, "format")
+    raise ConfigError("format", f"must be \"json\" or a JSON schema object, got {_short(value)}")
+
+
+def _top_logprobs(body: Mapping, on: bool, limit: int, key: str = "top_logprobs") -> int | None:
+    """None when log-probabilities are off; else `top_logprobs` in [0, limit] (default 0)."""
+    n = get_int(body, key, 0)
+    if not 0 <= n <= limit:
+        raise ConfigError(key, f"must be in [0, {limit}], got {n}")
+    if n and not on:
+        raise ConfigError(key, "needs logprobs: true")
+    return n if on else None
 
 
 def ollama_salt(body: Mapping) -> str | None:
@@ -218,7 +257,7 @@ def ollama_salt(body: Mapping) -> str | None:
     return top if top is not None else inner
 
 
-def openai_options(body: Mapping, context_length: int) -> GenOptions:
+def openai_options(body: Mapping, context_length: int, *, chat: bool = True) -> GenOptions:
     """Top-level sampling fields of /v1/chat/completions and /v1/completions.
 
     Extensions beyond OpenAI's set: top_k, min_p, repeat_penalty, repeat_last_n, num_ctx,
@@ -234,11 +273,7 @@ def openai_options(body: Mapping, context_length: int) -> GenOptions:
     for key in ("presence_penalty", "frequency_penalty"):
         if get_number(body, key, 0.0) != 0.0:
             raise ConfigError(key, "is not supported by cfr-atlas; use repeat_penalty")
-    refuse(body, "logprobs", "no log-probabilities are returned")
     refuse(body, "tools", "no tool calling")
-    fmt = get_object(body, "response_format")
-    if fmt.get("type", "text") != "text":
-        raise ConfigError("response_format", f"only type 'text' is supported, got {_short(fmt)}")
     return GenOptions(
         sampling=_sampling(body, ""),
         max_tokens=n,
@@ -246,7 +281,41 @@ def openai_options(body: Mapping, context_length: int) -> GenOptions:
         num_ctx=_num_ctx(body, "", context_length),
         kv_budget=kv_budget(body),
         cache_salt=get_cache_salt(body),
+        json_format=response_format(body),
+        logprobs=(_top_logprobs(body, get_bool(body, "logprobs", False), MAX_TOP) if chat
+                  else _completion_logprobs(body)),
+        truncate=get_bool(body, "truncate", False),
     )
+
+
+def _completion_logprobs(body: Mapping) -> int | None:
+    """/v1/completions `logprobs`: null (off) or the number of alternatives, 0 to 5."""
+    n = get_int(body, "logprobs")
+    if n is not None and not 0 <= n <= MAX_COMPLETION_TOP:
+        raise ConfigError("logprobs", f"must be in [0, {MAX_COMPLETION_TOP}], got {n}")
+    return n
+
+
+def response_format(body: Mapping) -> JsonFormat | None:
+    """`response_format`: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}. The schema is always enforced (`strict` or
+    not: a grammar is the only way we produce JSON)."""
+    fmt = get_object(body, "response_format")
+    kind = get_str(fmt, "type", "text", where="response_format.")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JsonFormat(None, "response_format")
+    if kind != "json_schema":
+        raise ConfigError("response_format.type", f"must be 'text', 'json_object' or "
+                                                  f"'json_schema', got {_short(kind)}")
+    spec = get_object(fmt, "json_schema", where="response_format.")
+    get_bool(spec, "strict", False, where="response_format.json_schema.")
+    schema = spec.get("schema")
+    if not isinstance(schema, Mapping):
+        raise ConfigError("response_format.json_schema.schema",
+                          f"must be a JSON schema object, got {_short(schema)}")
+    return JsonFormat(schema, "response_format.json_schema.schema")
 
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",

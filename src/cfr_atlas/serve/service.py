@@ -25,6 +25,7 @@ from cfr_atlas.serve.card import ModelCard
 from cfr_atlas.serve.jobs import Channel, EmbeddingJob, GenerationJob, GenerationSpec, Job
 from cfr_atlas.serve.params import GenOptions
 from cfr_atlas.serve.scheduler import Scheduler
+from cfr_atlas.text.grammar import TokenGrammar
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,8 @@ class Handle:
         self.scheduler, self.job, self.channel, self.t0 = scheduler, job, channel, t0
 
     async def next_event(self) -> tuple[str, object]:
-        """("text", str) or ("done", outcome); an ("error", exc) event is raised (an untyped
+        """("text", str), ("logprobs" | "prompt_logprobs", [Scored]) or ("done", outcome);
+        an ("error", exc) event is raised (an untyped
         one reaches the client only as an internal error with a request id: see http.py)."""
         kind, value = await self.channel.get()
         if kind == "error":
@@ -82,7 +84,8 @@ class Handle:
         async for kind, value in self.events():
             if kind == "done":
                 return "".join(parts), value
-            parts.append(value)
+            if kind == "text":
+                parts.append(value)
         raise RuntimeError("job ended without an outcome")
 
     def cancel(self) -> None:
@@ -103,6 +106,7 @@ class Service:
                                    retry_after=config.retry_after,
                                    prefill_tokens=config.prefill_tokens)
         self.started = time.time()
+        self._grammar: TokenGrammar | None = None
 
     @property
     def context_length(self) -> int:
@@ -111,6 +115,13 @@ class Service:
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
         """Text -> ids; `special=True` only for prompts the client templated itself (raw)."""
         return self.model.tokenize(text, special=special)
+
+    def token_text(self, token: int) -> str:
+        """One token's text (a piece of a multi-byte character decodes to U+FFFD)."""
+        return self.model.tokenizer.decode([token])
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.model.tokenizer.token_to_piece(token)
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """Messages -> ids; their text never becomes control tokens (`Model.chat_ids`)."""
@@ -146,22 +157,48 @@ class Service:
 
     def check_fits(self, n_tokens: int, limit: int, what: str = "the prompt") -> None:
         if n_tokens > limit:
+            hint = (f"; shorten it, or send \"truncate\": true to keep its last {limit} tokens"
+                    if what == "the prompt" else "; shorten it")
             raise CapacityError(f"{what} is {n_tokens} tokens, more than the context limit of "
-                                f"{limit} tokens; shorten it (cfr-atlas never truncates)")
+                                f"{limit} tokens{hint}")
 
-    def start_generation(self, ids: list[int], opts: GenOptions) -> Handle:
+    @property
+    def grammar(self) -> TokenGrammar:
+        """The vocabulary prepared for constrained decoding (built on first use, ~0.2 s)."""
+        if self._grammar is None:
+            self._grammar = TokenGrammar(self.model.tokenizer)
+        return self._grammar
+
+    def truncated(self, ids: list[int], limit: int) -> list[int]:
+        """The last `limit` ids, behind the BOS token if the prompt starts with one."""
+        if len(ids) <= limit:
+            return ids
+        bos = self.model.tokenizer.bos_id
+        head = ids[:1] if ids[0] == bos and self.model.tokenizer.add_bos else []
+        return head + ids[len(ids) - (limit - len(head)):]
+
+    def start_generation(self, ids: list[int], opts: GenOptions, *,
+                         prompt_logprobs: bool = False) -> Handle:
+        """Submit a generation. A prompt over the context limit is a 400 naming both numbers
+        unless `opts.truncate`; `max_tokens` is capped at the room left (finish "length")."""
         t0 = time.perf_counter()
         if not ids:
             raise ConfigError("prompt", "is empty after tokenization")
         check_ids(ids, self.model.config.vocab_size)
         limit = opts.num_ctx or self.context_length
+        if opts.truncate:
+            ids = self.truncated(ids, limit)
         self.check_fits(len(ids), limit)
         max_tokens = opts.max_tokens if opts.max_tokens is not None else self.config.max_tokens
         room = limit - len(ids) + 1  # the last sampled token is never fed back
         max_tokens = room if max_tokens is None else min(max_tokens, room)
         session_kw = self.session_kw(opts.kv_budget, opts.cache_salt, longest=limit,
                                      context_limit=limit)
-        spec = GenerationSpec(tuple(ids), opts.sampling, max_tokens, opts.stops, session_kw)
+        fmt = opts.json_format
+        constraint = None if fmt is None else self.grammar.constraint(fmt.schema, fmt.field)
+        spec = GenerationSpec(tuple(ids), opts.sampling, max_tokens, opts.stops, session_kw,
+                              constraint=constraint, logprobs=opts.logprobs,
+                              prompt_logprobs=prompt_logprobs)
         return self._submit(lambda ch: GenerationJob(self.model, spec, ch), t0)
 
     def start_embedding(self, inputs: list[str | list[int]], kv_budget: int | str | None = None,
