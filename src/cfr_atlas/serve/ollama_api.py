@@ -28,19 +28,20 @@ from cfr_atlas.serve.params import (
     get_dimensions,
     get_object,
     get_str,
+    get_tools,
     kv_budget,
     ollama_options,
     ollama_salt,
     refuse,
 )
 from cfr_atlas.serve.service import Handle, Service, shrink
+from cfr_atlas.text.tools import ToolText, parse_tool_calls
 
 API_VERSION = "0.6.0"  # the Ollama release whose endpoints and fields this module follows
 _UNSUPPORTED = (("images", "the model reads text only"),
                 ("suffix", "no fill-in-the-middle"),
                 ("template", "the GGUF's own chat template is always used"),
-                ("context", "deprecated upstream; send the conversation to /api/chat"),
-                ("tools", "no tool calling"))
+                ("context", "deprecated upstream; send the conversation to /api/chat"))
 
 
 def _service(request: Request) -> Service:
@@ -74,18 +75,38 @@ def _logprob(service: Service, scored) -> dict:
             "top_logprobs": [entry(t, lp) for t, lp in scored.top]}
 
 
+def _calls(calls) -> dict:
+    """Ollama's tool calls: arguments as objects."""
+    if not calls:
+        return {}
+    return {"tool_calls": [{"function": {"name": c.name, "arguments": c.arguments}}
+                           for c in calls]}
+
+
+def _names(tools: list[dict] | None) -> list[str] | None:
+    return None if tools is None else [t["function"]["name"] for t in tools]
+
+
+def _chat_wrap(text: str, calls=()) -> dict:
+    return {"message": {"role": "assistant", "content": text, **_calls(calls)}}
+
+
 async def _respond(request: Request, handle: Handle, name: str, streaming: bool, wrap,
-                   logprobs: bool = False):
+                   logprobs: bool = False, tools: list[str] | None = None):
     """One JSON object, or NDJSON: a line per text piece, then the final line with stats.
-    With `logprobs`, each object carries the entries of the tokens its text came from."""
+    With `logprobs`, each object carries the entries of the tokens its text came from; with
+    `tools` (chat: the tools' names), `<tool_call>` blocks become `message.tool_calls`
+    (streamed: in one line before the final one)."""
     service = _service(request)
     if not streaming:
         text, outcome = await until_done(request, handle, handle.result())
         extra = {"logprobs": [_logprob(service, s) for s in outcome.logprobs]} if logprobs \
             else {}
-        return JSONResponse({"model": name, "created_at": _now(), **wrap(text), **extra,
+        body = _chat_wrap(*parse_tool_calls(text, tools)) if tools else wrap(text)
+        return JSONResponse({"model": name, "created_at": _now(), **body, **extra,
                              **done_fields(handle, outcome)})
     pending: list = []
+    calls = ToolText(tools) if tools else None
 
     def scores() -> dict:
         if not logprobs:
@@ -100,10 +121,16 @@ async def _respond(request: Request, handle: Handle, name: str, streaming: bool,
             pending.extend(value)
             return b""
         if kind == "text":
-            return ndjson({**head, **wrap(value), **scores(), "done": False})
+            text = value if calls is None else calls.push(value)
+            return ndjson({**head, **wrap(text), **scores(), "done": False}) if text else b""
         if kind != "done":
             return b""
-        return ndjson({**head, **wrap(""), **scores(), **done_fields(handle, value)})
+        out = b""
+        if calls is not None:
+            rest, found = calls.finish()
+            if rest or found:
+                out = ndjson({**head, **_chat_wrap(rest, found), "done": False})
+        return out + ndjson({**head, **wrap(""), **scores(), **done_fields(handle, value)})
 
     return await stream(request, handle, render, lambda e: ndjson({"error": str(e)}),
                         "application/x-ndjson")
@@ -154,10 +181,10 @@ async def chat(request: Request) -> Response:
                              "message": {"role": "assistant", "content": ""},
                              "done_reason": "load"})
     messages = chat_messages(body)  # an explicit [] is a 400
-    handle = service.start_generation(service.chat_ids(messages), opts)
-    return await _respond(request, handle, name, streaming,
-                          lambda text: {"message": {"role": "assistant", "content": text}},
-                          opts.logprobs is not None)
+    tools = get_tools(body)
+    handle = service.start_generation(service.chat_ids(messages, tools), opts)
+    return await _respond(request, handle, name, streaming, _chat_wrap,
+                          opts.logprobs is not None, _names(tools))
 
 
 @endpoint(ollama_error)

@@ -10,6 +10,7 @@ defaults are the engine's (greedy), not OpenAI's temperature 1. Validation lives
 from __future__ import annotations
 
 import base64
+import json
 import time
 import uuid
 
@@ -36,11 +37,14 @@ from cfr_atlas.serve.params import (
     get_dimensions,
     get_object,
     get_str,
+    get_tools,
     kv_budget,
     openai_options,
     refuse,
+    tool_choice,
 )
 from cfr_atlas.serve.service import Handle, Service, shrink
+from cfr_atlas.text.tools import ToolText, parse_tool_calls
 
 
 def _service(request: Request) -> Service:
@@ -105,11 +109,32 @@ def _choice(chat: bool, text: str | None, finish: str | None, *, delta: bool,
     return {"index": 0, key: body, "logprobs": logprobs, "finish_reason": finish}
 
 
+def _tool_calls(calls, delta: bool) -> list[dict]:
+    """OpenAI's tool calls: arguments as a JSON string; `index` in stream deltas."""
+    return [{**({"index": i} if delta else {}), "id": "call_" + uuid.uuid4().hex[:24],
+             "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments,
+                                                                  ensure_ascii=False)}}
+            for i, c in enumerate(calls)]
+
+
+def _tool_message(text: str, names: list[str]) -> tuple[dict, bool]:
+    """A chat message with its `<tool_call>` blocks parsed; True if it holds calls."""
+    rest, calls = parse_tool_calls(text, names)
+    message = {"role": "assistant", "content": rest or None}
+    if calls:
+        message["tool_calls"] = _tool_calls(calls, delta=False)
+    return message, bool(calls)
+
+
 async def _respond(request: Request, handle: Handle, name: str, *, chat: bool,
                    streaming: bool, include_usage: bool, prefix: str = "",
-                   scores: _Scores | None = None) -> Response:
+                   scores: _Scores | None = None,
+                   tools: list[str] | None = None) -> Response:
     """A chat.completion / text_completion object, or their SSE chunks then [DONE].
-    With `scores`, choices carry log-probabilities (see `_Scores`)."""
+    With `scores`, choices carry log-probabilities (see `_Scores`); with `tools` (names), the
+    `<tool_call>` blocks become `tool_calls` (streamed as one delta after the content) and
+    finish_reason "tool_calls"."""
     from cfr_atlas import __version__
 
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
@@ -120,14 +145,17 @@ async def _respond(request: Request, handle: Handle, name: str, *, chat: bool,
         text, outcome = await until_done(request, handle, handle.result())
         lp = None if scores is None else scores.render(
             [*outcome.prompt_logprobs, *outcome.logprobs])
-        return JSONResponse({**head, "choices": [_choice(chat, prefix + text,
-                                                         outcome.done_reason, delta=False,
-                                                         logprobs=lp)],
-                             "usage": _usage(outcome), "cfr_atlas": outcome.telemetry})
+        choice = _choice(chat, prefix + text, outcome.done_reason, delta=False, logprobs=lp)
+        if tools:
+            choice["message"], called = _tool_message(text, tools)
+            choice["finish_reason"] = "tool_calls" if called else outcome.done_reason
+        return JSONResponse({**head, "choices": [choice], "usage": _usage(outcome),
+                             "cfr_atlas": outcome.telemetry})
     if chat:
         head["object"] = "chat.completion.chunk"
     opened = [False]
     pending: list = []
+    calls = ToolText(tools) if tools else None
 
     def taken() -> dict | None:
         if scores is None or not pending:
@@ -154,9 +182,22 @@ async def _respond(request: Request, handle: Handle, name: str, *, chat: bool,
         out = b"" if opened[0] else opening()
         opened[0] = True
         if kind == "text":
-            return out + sse({**head, "choices": [_choice(chat, value, None, delta=True,
+            text = value if calls is None else calls.push(value)
+            if not text:
+                return out
+            return out + sse({**head, "choices": [_choice(chat, text, None, delta=True,
                                                           logprobs=taken())]})
-        out += sse({**head, "choices": [_choice(chat, None if chat else "", value.done_reason,
+        finish = value.done_reason
+        if calls is not None:
+            rest, found = calls.finish()
+            if rest:
+                out += sse({**head, "choices": [_choice(True, rest, None, delta=True)]})
+            if found:
+                delta = {"index": 0, "delta": {"tool_calls": _tool_calls(found, delta=True)},
+                         "logprobs": None, "finish_reason": None}
+                out += sse({**head, "choices": [delta]})
+                finish = "tool_calls"
+        out += sse({**head, "choices": [_choice(chat, None if chat else "", finish,
                                                 delta=True, logprobs=taken())]})
         if include_usage:
             out += sse({**head, "choices": [], "usage": _usage(value)})
@@ -174,10 +215,16 @@ async def chat_completions(request: Request) -> Response:
     streaming = get_bool(body, "stream", False)
     include_usage = get_bool(get_object(body, "stream_options"), "include_usage", False,
                              where="stream_options.")
-    handle = service.start_generation(service.chat_ids(messages), opts)
+    tools = get_tools(body)
+    use, forced = tool_choice(body, tools)
+    tools = tools if use else None
+    ids = service.chat_ids(messages, tools)
+    constraint = None if forced is None else service.forced_call(tools, forced)
+    handle = service.start_generation(ids, opts, constraint=constraint)
     scores = None if opts.logprobs is None else _Scores(service, chat=True)
     return await _respond(request, handle, name, chat=True, streaming=streaming,
-                          include_usage=include_usage, scores=scores)
+                          include_usage=include_usage, scores=scores,
+                          tools=None if tools is None else [t["function"]["name"] for t in tools])
 
 
 @endpoint(openai_error)

@@ -10,6 +10,7 @@ to MAX_EMBED_INPUTS, `cache_salt` to MAX_SALT_CHARS. No model work happens here.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -273,7 +274,6 @@ def openai_options(body: Mapping, context_length: int, *, chat: bool = True) -> 
     for key in ("presence_penalty", "frequency_penalty"):
         if get_number(body, key, 0.0) != 0.0:
             raise ConfigError(key, "is not supported by cfr-atlas; use repeat_penalty")
-    refuse(body, "tools", "no tool calling")
     return GenOptions(
         sampling=_sampling(body, ""),
         max_tokens=n,
@@ -356,8 +356,102 @@ def chat_messages(body: Mapping) -> list[dict]:
                                               f"{_short(role)}")
         if m.get("images"):
             raise ConfigError(where + "images", "is not supported (the model reads text only)")
-        out.append({"role": _ROLES[role], "content": _content(m, where)})
+        out.append({"role": _ROLES[role], "content": _content(m, where),
+                    **_tool_fields(m, role, where)})
     return out
+
+
+def _arguments(value, where: str) -> dict:
+    """A tool call's arguments: an object (Ollama) or a JSON string of one (OpenAI)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError:
+            raise ConfigError(where, f"is not valid JSON: {_short(value)}") from None
+    if not isinstance(value, Mapping):
+        raise ConfigError(where, f"must be an object (or a JSON string of one), got "
+                                 f"{_short(value)}")
+    return dict(value)
+
+
+def _tool_fields(m: Mapping, role: str, where: str) -> dict:
+    """What a template needs of tool traffic: an assistant's `tool_calls` (arguments as
+    objects), a tool message's `tool_call_id` / `name`."""
+    out = {}
+    calls = m.get("tool_calls")
+    if calls is not None and role == "assistant":
+        if not isinstance(calls, list):
+            raise ConfigError(where + "tool_calls", f"must be a list, got {_short(calls)}")
+        out["tool_calls"] = []
+        for j, call in enumerate(calls):
+            w = f"{where}tool_calls[{j}]."
+            fn = get_object(call if isinstance(call, Mapping) else {}, "function", where=w)
+            entry = {"type": "function", "function": {
+                "name": get_str(fn, "name", where=w + "function."),
+                "arguments": _arguments(fn.get("arguments", {}), w + "function.arguments")}}
+            if isinstance(call, Mapping) and isinstance(call.get("id"), str):
+                entry["id"] = call["id"]
+            out["tool_calls"].append(entry)
+    if role == "tool":
+        for key in ("tool_call_id", "name", "tool_name"):
+            value = get_str(m, key, None, where=where)
+            if value is not None:
+                out[key] = value
+    return out
+
+
+MAX_TOOLS = 128  # tools per request
+
+
+def get_tools(body: Mapping) -> list[dict] | None:
+    """`tools`: [{"type": "function", "function": {"name", "description", "parameters"}}]
+    (both APIs); None when absent or empty."""
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise ConfigError("tools", f"must be a list of at most {MAX_TOOLS} tool objects, got "
+                                   f"{_short(tools)}")
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]."
+        if not isinstance(tool, Mapping):
+            raise ConfigError(where[:-1], f"must be an object, got {_type_name(tool)}")
+        kind = get_str(tool, "type", "function", where=where)
+        if kind != "function":
+            raise ConfigError(where + "type", f"only 'function' tools are supported, got "
+                                              f"{_short(kind)}")
+        fn = get_object(tool, "function", where=where)
+        name = get_str(fn, "name", where=where + "function.")
+        params = get_object(fn, "parameters", where=where + "function.")
+        desc = get_str(fn, "description", "", where=where + "function.")
+        out.append({"type": "function", "function": {"name": name, "description": desc,
+                                                     "parameters": dict(params)}})
+    return out
+
+
+def tool_choice(body: Mapping, tools: list[dict] | None) -> tuple[bool, str | None]:
+    """OpenAI `tool_choice` -> (use the tools, force a call: "*" any, a name, or None).
+    "none" drops the tools; "auto" (default) lets the model choose."""
+    value = body.get("tool_choice")
+    if value is None or value == "auto":
+        return tools is not None, None
+    if value == "none":
+        return False, None
+    if tools is None:
+        raise ConfigError("tool_choice", "needs tools")
+    if value == "required":
+        return True, "*"
+    fn = get_object(value if isinstance(value, Mapping) else {}, "function",
+                    where="tool_choice.")
+    name = get_str(fn, "name", None, where="tool_choice.function.")
+    if not isinstance(value, Mapping) or name is None:
+        raise ConfigError("tool_choice", "must be 'none', 'auto', 'required' or {\"type\": "
+                                         "\"function\", \"function\": {\"name\": ...}}, got "
+                                         + _short(value))
+    if name not in [t["function"]["name"] for t in tools]:
+        raise ConfigError("tool_choice.function.name", f"{name!r} is not one of the tools")
+    return True, name
 
 
 def get_dimensions(body: Mapping, dim: int) -> int | None:

@@ -26,6 +26,7 @@ from cfr_atlas.serve.jobs import Channel, EmbeddingJob, GenerationJob, Generatio
 from cfr_atlas.serve.params import GenOptions
 from cfr_atlas.serve.scheduler import Scheduler
 from cfr_atlas.text.grammar import TokenGrammar
+from cfr_atlas.text.tools import forced_call_grammar, supports_tools
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class Service:
                                    prefill_tokens=config.prefill_tokens)
         self.started = time.time()
         self._grammar: TokenGrammar | None = None
+        self._tools: bool | None = None
 
     @property
     def context_length(self) -> int:
@@ -123,9 +125,29 @@ class Service:
     def token_bytes(self, token: int) -> bytes:
         return self.model.tokenizer.token_to_piece(token)
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        """Messages -> ids; their text never becomes control tokens (`Model.chat_ids`)."""
-        return self.model.chat_ids(messages)
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the model's chat template renders tool definitions (probed once)."""
+        if self._tools is None:
+            self._tools = supports_tools(self.model.chat_template)
+        return self._tools
+
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Messages (and tools) -> ids; their text never becomes control tokens. Tools, tool
+        calls or tool results for a template that cannot render them are a 400."""
+        uses_tools = tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+        if uses_tools and not self.supports_tools:
+            raise ConfigError("tools", "this model's chat template has no tool support (it "
+                                       "does not render tool definitions); send the request "
+                                       "without tools, tool calls or tool messages")
+        context = {"tools": tools} if tools else {}
+        return self.model.chat_template.encode(self.model.tokenizer, messages,
+                                               add_generation_prompt=True, **context)
+
+    def forced_call(self, tools: list[dict], name: str):
+        """A constraint making the model call `name` ("*": any of `tools`)."""
+        return self.grammar.constraint_lark(
+            forced_call_grammar(tools, None if name == "*" else name), "tool_choice")
 
     def kv_budget(self, requested: int | str | None, context_limit: int) -> int | str | None:
         """The budget a request runs under: its own (bytes or a percentage, which its Session
@@ -178,7 +200,7 @@ class Service:
         return head + ids[len(ids) - (limit - len(head)):]
 
     def start_generation(self, ids: list[int], opts: GenOptions, *,
-                         prompt_logprobs: bool = False) -> Handle:
+                         prompt_logprobs: bool = False, constraint=None) -> Handle:
         """Submit a generation. A prompt over the context limit is a 400 naming both numbers
         unless `opts.truncate`; `max_tokens` is capped at the room left (finish "length")."""
         t0 = time.perf_counter()
@@ -195,7 +217,10 @@ class Service:
         session_kw = self.session_kw(opts.kv_budget, opts.cache_salt, longest=limit,
                                      context_limit=limit)
         fmt = opts.json_format
-        constraint = None if fmt is None else self.grammar.constraint(fmt.schema, fmt.field)
+        if fmt is not None and constraint is not None:
+            raise ConfigError(fmt.field, "cannot be combined with a forced tool call")
+        if fmt is not None:
+            constraint = self.grammar.constraint(fmt.schema, fmt.field)
         spec = GenerationSpec(tuple(ids), opts.sampling, max_tokens, opts.stops, session_kw,
                               constraint=constraint, logprobs=opts.logprobs,
                               prompt_logprobs=prompt_logprobs)

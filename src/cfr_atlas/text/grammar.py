@@ -68,9 +68,17 @@ class TokenGrammar:
                 json.dumps(ANY_JSON if schema is None else schema), overrides=_JSON_OPTIONS)
         except (ValueError, TypeError) as exc:
             raise ConfigError(field, f"is not a usable JSON schema: {str(exc)[:200]}") from None
+        return self._matcher(grammar, field, "JSON schema")
+
+    def constraint_lark(self, lark: str, field: str) -> Constraint:
+        """A fresh grammar state for text matching the Lark grammar `lark` (llguidance's
+        dialect, `%json {schema}` included)."""
+        return self._matcher(self._llg.LLMatcher.grammar_from_lark(lark), field, "grammar")
+
+    def _matcher(self, grammar: str, field: str, what: str) -> Constraint:
         matcher = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ConfigError(field, f"is not a usable JSON schema: {matcher.get_error()[:300]}")
+            raise ConfigError(field, f"is not a usable {what}: {matcher.get_error()[:300]}")
         return Constraint(matcher, self.vocab_size)
 
 
