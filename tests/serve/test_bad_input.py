@@ -64,7 +64,6 @@ CASES = {
                                                         "logprobs": 6}), 400, "logprobs"),
     "response_format type": (oai_chat(response_format={"type": "yaml"}), 400,
                              "response_format"),
-    "empty messages": (ollama_chat(messages=[]), 400, "messages"),
     "messages not a list": (ollama_chat(messages="hi"), 400, "messages"),
     "message without role": (ollama_chat(messages=[{"content": "hi"}]), 400, "role"),
     "unknown role": (ollama_chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "role"),

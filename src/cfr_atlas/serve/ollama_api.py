@@ -12,6 +12,8 @@ Request validation lives in `params`, error shapes and streaming in `http`.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from datetime import UTC, datetime
 
 from starlette.requests import Request
@@ -29,6 +31,7 @@ from cfr_atlas.serve.params import (
     get_object,
     get_str,
     get_tools,
+    keep_alive,
     kv_budget,
     ollama_options,
     ollama_salt,
@@ -136,14 +139,23 @@ async def _respond(request: Request, handle: Handle, name: str, streaming: bool,
                         "application/x-ndjson")
 
 
-async def _request(request: Request) -> tuple[Service, dict, str]:
-    """The service, the JSON body and the resolved model name ("model", or legacy "name")."""
+async def _request(request: Request, keep: bool = True) -> tuple[Service, dict, str]:
+    """The service, the JSON body and the resolved model name ("model", or legacy "name");
+    with `keep`, the request's `keep_alive` is applied."""
     service = _service(request)
     body = await read_json(request, service.config.max_body_bytes)
     name = get_str(body, "model", None) or get_str(body, "name", None)
     if not name:
         raise ConfigError("model", "is required")
-    return service, body, service.card.resolve(name)
+    name = service.card.resolve(name)
+    if keep:
+        service.keep(keep_alive(body))
+    return service, body, name
+
+
+def _loaded(service: Service, body: Mapping) -> str:
+    """done_reason of a request that only loads (or, with keep_alive 0, unloads)."""
+    return "unload" if keep_alive(body) == 0 else "load"
 
 
 @endpoint(ollama_error)
@@ -158,7 +170,7 @@ async def generate(request: Request) -> Response:
     opts = ollama_options(body, service.context_length)
     if not prompt:  # Ollama's way to (pre)load a model
         return JSONResponse({"model": name, "created_at": _now(), "response": "",
-                             "done": True, "done_reason": "load"})
+                             "done": True, "done_reason": _loaded(service, body)})
     if raw:  # the client's own template: control-token text is parsed (docs/SERVING.md)
         ids = service.tokenize(prompt, special=True)
     else:
@@ -176,11 +188,12 @@ async def chat(request: Request) -> Response:
         refuse(body, key, why)
     streaming = get_bool(body, "stream", True)
     opts = ollama_options(body, service.context_length)
-    if body.get("messages") is None:  # `ollama run` preloads with messages: null
+    if body.get("messages") in (None, []):  # a load / unload (keep_alive 0) request, as
+        # Ollama: `ollama run` sends messages null, the `ollama` package's chat() sends []
         return JSONResponse({"model": name, "created_at": _now(), "done": True,
                              "message": {"role": "assistant", "content": ""},
-                             "done_reason": "load"})
-    messages = chat_messages(body)  # an explicit [] is a 400
+                             "done_reason": _loaded(service, body)})
+    messages = chat_messages(body)
     tools = get_tools(body)
     handle = service.start_generation(service.chat_ids(messages, tools), opts)
     return await _respond(request, handle, name, streaming, _chat_wrap,
@@ -217,14 +230,15 @@ async def embeddings(request: Request) -> Response:
 
 @endpoint(ollama_error)
 async def show(request: Request) -> Response:
-    service, body, _ = await _request(request)
+    service, body, _ = await _request(request, keep=False)
     card = service.card
+    capabilities = ["completion", *(["tools"] if service.supports_tools else []), "embedding"]
     return JSONResponse({
         "license": str(card.metadata.get("general.license", "")),
         "modelfile": f"# served by cfr-atlas\nFROM {card.path}\n",
         "parameters": "", "template": card.template, "details": card.details,
         "model_info": card.model_info(get_bool(body, "verbose", False)),
-        "capabilities": ["completion", "embedding"], "modified_at": card.modified_at})
+        "capabilities": capabilities, "modified_at": card.modified_at})
 
 
 @endpoint(ollama_error)
@@ -236,8 +250,12 @@ async def tags(request: Request) -> Response:
 async def ps(request: Request) -> Response:
     service = _service(request)
     s = service.scheduler.stats()
+    if not service.loaded:
+        return JSONResponse({"models": []})
+    expires = "9999-12-31T23:59:59Z" if service.expires == math.inf else rfc3339(
+        datetime.fromtimestamp(service.expires, UTC))
     return JSONResponse({"models": [{
-        **service.card.summary(), "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0,
+        **service.card.summary(), "expires_at": expires, "size_vram": 0,
         "context_length": service.context_length,
         "cfr_atlas": {"active": s.active, "queued": s.queued,
                       "resident_kv_bytes": s.resident_kv_bytes}}]})

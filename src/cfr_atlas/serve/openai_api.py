@@ -54,7 +54,9 @@ def _service(request: Request) -> Service:
 async def _request(request: Request) -> tuple[Service, dict, str]:
     service = _service(request)
     body = await read_json(request, service.config.max_body_bytes)
-    return service, body, service.card.resolve(get_str(body, "model"))
+    name = service.card.resolve(get_str(body, "model"))
+    service.keep(None)  # OpenAI has no keep_alive: each request keeps the server's default
+    return service, body, name
 
 
 def _usage(outcome) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -452,6 +453,31 @@ def tool_choice(body: Mapping, tools: list[dict] | None) -> tuple[bool, str | No
     if name not in [t["function"]["name"] for t in tools]:
         raise ConfigError("tool_choice.function.name", f"{name!r} is not one of the tools")
     return True, name
+
+
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"^(-?)((?:\d+(?:\.\d*)?(?:ns|us|µs|ms|s|m|h))+)$")
+DEFAULT_KEEP_ALIVE = 300.0  # seconds (Ollama's 5m)
+
+
+def keep_alive(body: Mapping) -> float | None:
+    """Ollama `keep_alive`: seconds (a number) or a Go duration ("5m", "1h30m", "-1s");
+    None when absent (the default applies). Negative: forever; 0: unload now."""
+    value = body.get("keep_alive")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if re.fullmatch(r"-?\d+(\.\d+)?", text):
+            return float(text)
+        m = _DURATION.match(text)
+        if m is None:
+            raise ConfigError("keep_alive", f"must be seconds or a duration such as \"5m\", "
+                                            f"got {_short(value)}")
+        parts = re.findall(r"(\d+(?:\.\d*)?)(ns|us|µs|ms|s|m|h)", m.group(2))
+        seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+        return -seconds if m.group(1) else seconds
+    return float(get_number(body, "keep_alive"))
 
 
 def get_dimensions(body: Mapping, dim: int) -> int | None:

@@ -12,6 +12,7 @@ HTTP, JSON and response shapes live in the api modules.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ class ServerConfig:
     retry_after: int = 1  # seconds, sent with 429
     max_body_bytes: int = 16 << 20
     max_embed_tokens: int = 1 << 17  # tokens of one embedding request, all inputs together
+    keep_alive: float = 300.0  # seconds the model counts as loaded after a request (Ollama's 5m)
 
 
 def shrink(vector: np.ndarray, dims: int | None) -> list[float]:
@@ -108,6 +110,7 @@ class Service:
                                    prefill_tokens=config.prefill_tokens)
         self.started = time.time()
         self._grammar: TokenGrammar | None = None
+        self.expires = math.inf if config.keep_alive < 0 else time.time() + config.keep_alive
         self._tools: bool | None = None
 
     @property
@@ -124,6 +127,17 @@ class Service:
 
     def token_bytes(self, token: int) -> bytes:
         return self.model.tokenizer.token_to_piece(token)
+
+    def keep(self, seconds: float | None) -> None:
+        """A request's `keep_alive` (None: the server's default): the model counts as loaded
+        until then (negative: forever; 0: unloaded now). The weights stay mapped either way:
+        this server holds one model and answers every request with it."""
+        seconds = self.config.keep_alive if seconds is None else seconds
+        self.expires = math.inf if seconds < 0 else time.time() + seconds
+
+    @property
+    def loaded(self) -> bool:
+        return self.expires > time.time() or self.scheduler.stats().active > 0
 
     @property
     def supports_tools(self) -> bool:
