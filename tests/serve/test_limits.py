@@ -74,3 +74,19 @@ def test_tokenize_detokenize_round_trip(server, reference):
 def test_bad_tokenize_requests_are_400(server, path, body, field):
     r = httpx.post(server.url + path, json=body)
     assert r.status_code == 400 and field in r.json()["error"], r.text
+
+
+def test_known_ignored_fields_are_logged_once(server, caplog):
+    from cfr_atlas.serve import params
+
+    params._warned.discard("mirostat")
+    body = {"model": MODEL, "prompt": "x", "raw": True, "stream": False,
+            "options": {"num_predict": 1, "mirostat": 2}}
+    with caplog.at_level("WARNING", logger="cfr_atlas.serve"):
+        for _ in range(2):
+            assert httpx.post(server.url + "/api/generate", json=body).status_code == 200
+    assert [r.getMessage() for r in caplog.records if "mirostat" in r.getMessage()] == [
+        "ignoring the request field options.mirostat (no effect in cfr-atlas; logged once)"]
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                         "logit_bias": {"1": 5}})
+    assert r.status_code == 400 and "logit_bias" in r.text

@@ -123,6 +123,7 @@ def serve(config: ServerConfig, **load_kw) -> None:
     model = load_model(config.model_path, **load_kw)
     model.generate("hi", max_tokens=2)  # compile the kernels before a client waits for them
     app = create_app(model, config)
+    _ = app.state.service.grammar  # prepare the structured-output vocabulary (0.2-4 s) now
     if config.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"cfr-atlas: warning: listening on {config.host}: the API has no "
               "authentication", file=sys.stderr)

@@ -11,6 +11,7 @@ to MAX_EMBED_INPUTS, `cache_salt` to MAX_SALT_CHARS. No model work happens here.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Mapping
@@ -134,6 +135,28 @@ def get_cache_salt(body: Mapping, key: str = "cache_salt", *, where: str = "") -
     return salt
 
 
+log = logging.getLogger("cfr_atlas.serve")
+# Fields clients commonly send that change nothing here: accepted, with one warning per field in
+# the server log (docs/SERVING.md lists them). Anything else unknown is ignored silently.
+IGNORED_OLLAMA_OPTIONS = frozenset({
+    "num_thread", "num_gpu", "main_gpu", "num_batch", "num_keep", "numa", "use_mmap",
+    "use_mlock", "low_vram", "vocab_only", "mirostat", "mirostat_eta", "mirostat_tau",
+    "typical_p", "tfs_z", "penalize_newline", "presence_penalty", "frequency_penalty"})
+IGNORED_OLLAMA = frozenset({"think", "shift"})
+IGNORED_OPENAI = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
+                            "reasoning_effort", "modalities", "prediction", "safety_identifier",
+                            "prompt_cache_key", "verbosity"})
+_warned: set[str] = set()
+
+
+def warn_ignored(body: Mapping, keys: frozenset, where: str = "") -> None:
+    """Log (once per field) the known fields in `body` that this server accepts but ignores."""
+    for key in keys.intersection(body) - _warned:
+        _warned.add(key)
+        log.warning("ignoring the request field %s%s (no effect in cfr-atlas; logged once)",
+                    where, key)
+
+
 def refuse(body: Mapping, key: str, why: str) -> None:
     """A feature we do not implement: refuse a truthy value instead of silently ignoring it."""
     if body.get(key):
@@ -210,6 +233,8 @@ def ollama_options(body: Mapping, context_length: int) -> GenOptions:
     """`options` of /api/generate and /api/chat (temperature, num_predict, stop, ...)."""
     opts = get_object(body, "options")
     where = "options."
+    warn_ignored(opts, IGNORED_OLLAMA_OPTIONS, where)
+    warn_ignored(body, IGNORED_OLLAMA)
     n = get_int(opts, "num_predict", where=where)
     if n is not None and n < -1:
         raise ConfigError(where + "num_predict", f"must be >= 0, or -1 for 'until the context "
@@ -275,6 +300,8 @@ def openai_options(body: Mapping, context_length: int, *, chat: bool = True) -> 
     for key in ("presence_penalty", "frequency_penalty"):
         if get_number(body, key, 0.0) != 0.0:
             raise ConfigError(key, "is not supported by cfr-atlas; use repeat_penalty")
+    refuse(body, "logit_bias", "no logit bias")
+    warn_ignored(body, IGNORED_OPENAI)
     return GenOptions(
         sampling=_sampling(body, ""),
         max_tokens=n,
