@@ -7,6 +7,9 @@ decode steps as the generation driver measured them (`Outcome`), `load_duration`
 model stays loaded). `prompt_eval_cached_count` counts prompt tokens mapped from the prefix
 cache instead of recomputed. The final object also carries our K/V telemetry under
 `cfr_atlas`.
+`format` constrains generation to JSON (a schema or any object), `logprobs` come from the raw
+logits, `tools` on /api/chat are rendered by the model's template and parsed back into
+`message.tool_calls`, `keep_alive` sets what /api/ps reports.
 Request validation lives in `params`, error shapes and streaming in `http`.
 """
 

@@ -4,7 +4,10 @@ Streaming is server-sent events ending with `data: [DONE]`; `usage` counts promp
 completion tokens (the end-of-generation token included) with `prompt_tokens_details.
 cached_tokens` from the prefix cache; `stream_options.include_usage` adds the usage
 chunk. Non-streaming responses also carry our K/V telemetry under `cfr_atlas`. Sampling
-defaults are the engine's (greedy), not OpenAI's temperature 1. Validation lives in `params`.
+defaults are the engine's (greedy), not OpenAI's temperature 1. `response_format` constrains
+generation (text/grammar.py); `logprobs` come from the raw logits (logprobs.py), with `echo`
+scoring the prompt on /v1/completions; `tools` are rendered by the model's template and
+`<tool_call>` blocks parsed into `tool_calls` (text/tools.py). Validation lives in `params`.
 """
 
 from __future__ import annotations
