@@ -44,6 +44,10 @@ def test_truncate_keeps_the_prompt_tail(server, reference, aclient):
     c = aclient.completions.create(model=MODEL, prompt=LONG, max_tokens=5,
                                    extra_body={"num_ctx": 12, "truncate": True})
     assert c.choices[0].text == want and c.usage.prompt_tokens == 12
+    e = aclient.completions.create(model=MODEL, prompt=LONG, max_tokens=1, echo=True,
+                                   logprobs=0, extra_body={"num_ctx": 12, "truncate": True})
+    assert e.choices[0].text == reference.detokenize(tail) + want  # the prompt actually run
+    assert len(e.choices[0].logprobs.tokens) == 13
 
 
 def test_max_tokens_beyond_the_context_is_capped(aclient, reference):

@@ -250,6 +250,9 @@ async def completions(request: Request) -> Response:
     prompt = prompts[0]
     # a completion prompt is the client's whole template: control-token text is parsed
     ids = service.tokenize(prompt, special=True) if isinstance(prompt, str) else prompt
+    if opts.truncate:  # here, so that an echo shows (and scores) the prompt actually run
+        kept = service.truncated(ids, opts.num_ctx or service.context_length)
+        prompt, ids = (prompt if kept is ids else service.model.detokenize(kept)), kept
     echo = get_bool(body, "echo", False)
     prefix = "" if not echo else (prompt if isinstance(prompt, str)
                                   else service.model.detokenize(prompt))
