@@ -144,6 +144,28 @@ def test_forced_tool_call_streamed_deltas(aclient):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_ollama_tool_calls_stream_and_not(tool_server):
+    """Ollama has no tool_choice: a `format` schema makes the tiny model write a bare call
+    object, which (naming one of the tools) comes back as message.tool_calls, arguments as an
+    object; streamed, in one line before the final one."""
+    call = {"type": "object", "properties": {"name": {"const": "get_weather"},
+                                             "arguments": WEATHER["function"]["parameters"]},
+            "required": ["name", "arguments"], "additionalProperties": False}
+    body = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "format": call,
+            "options": {"num_predict": 80, "temperature": 1.0, "seed": 4}}
+    whole = httpx.post(tool_server.url + "/api/chat", json={**body, "stream": False},
+                       timeout=60).json()
+    (got,) = whole["message"]["tool_calls"]
+    assert got["function"]["name"] == "get_weather" and whole["message"]["content"] == ""
+    jsonschema.validate(got["function"]["arguments"], WEATHER["function"]["parameters"])
+    lines = [json.loads(x) for x in httpx.post(tool_server.url + "/api/chat", json=body,
+                                               timeout=60).text.splitlines()]
+    assert [x["message"].get("tool_calls") for x in lines if x["message"].get("tool_calls")] \
+        == [whole["message"]["tool_calls"]]
+    assert "".join(x["message"]["content"] for x in lines) == ""  # nothing leaked as text
+    assert lines[-1]["done"] and not lines[-2]["done"]
+
+
 def test_tool_choice_none_and_bad_choices(aclient, tool_server):
     r = aclient.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
                                         tool_choice="none", max_tokens=3)
