@@ -177,3 +177,28 @@ def test_bad_shapes_and_history():
     with pytest.raises(DimensionError, match="history token 5 is outside the vocabulary of 3"):
         Sampler(SamplingParams(repeat_penalty=1.1)).sample(f32(0, 1, 2), [0, 5])
     assert Sampler(SamplingParams(repeat_penalty=3.0)).sample(f32(0, 1, 2), np.array([2])) == 1
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, seed=3),
+                                    SamplingParams(temperature=1.3, top_k=20, top_p=0.8,
+                                                   min_p=0.02, repeat_penalty=1.2, seed=8)])
+def test_grammar_mask_only_restricts_the_draw(params):
+    """allowed=all-True draws exactly as unconstrained; a mask keeps draws inside it and never
+    changes the logits passed in; an empty mask is a typed error."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=500).astype(np.float32)
+    before = logits.copy()
+    free, masked = Sampler(params), Sampler(params)
+    everything = np.ones(500, dtype=bool)
+    history = [1, 2, 3]
+    assert [free.sample(logits, history) for _ in range(30)] == \
+        [masked.sample(logits, history, everything) for _ in range(30)]
+    allowed = np.zeros(500, dtype=bool)
+    allowed[[7, 99, 400]] = True
+    s = Sampler(params)
+    assert {s.sample(logits, history, allowed) for _ in range(50)} <= {7, 99, 400}
+    assert np.array_equal(logits, before)
+    with pytest.raises(NumericError, match="no token"):
+        s.sample(logits, history, np.zeros(500, dtype=bool))
+    with pytest.raises(DimensionError):
+        s.sample(logits, history, np.ones(3, dtype=bool))

@@ -12,6 +12,7 @@ Session (K/V state) is the caller's to open and close.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Iterator
@@ -78,8 +79,10 @@ class Event:
 
     text: str = ""  # text now safe to show ("" while it may still start a stop string)
     token: int | None = None  # the token sampled in this step; None if none was
-    logits: np.ndarray | None = None  # (vocab,) float32 the token was drawn from
+    logits: np.ndarray | None = None  # (vocab,) float32 the token was drawn from (unmasked)
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", or None
+    prompt_logits: np.ndarray | None = None  # (chunk, vocab) float32, with `prompt_logits` on:
+    # row j is the logits after prompt token (fed + j), i.e. those that scored token fed + j + 1
 
 
 class Generation:
@@ -96,10 +99,16 @@ class Generation:
     EOS or a stop string ("stop"), or after `max_tokens` tokens or when the context is full
     ("length"). Forward time goes to the phase of what was fed, sampling time to decode; time
     between steps (other sequences, the consumer) is not counted.
+
+    `constraint` (a `text.grammar.Constraint`, optional) masks the sampler's input each step;
+    the logits themselves (the events', the fingerprint) stay the unconstrained ones.
+    `prompt_logits=True` returns every prompt position's logits with its chunk's event (for
+    scoring a prompt); the prefix cache is then not used, since mapped blocks have no logits.
     """
 
     def __init__(self, model, session, prompt_ids, params: SamplingParams, *, max_tokens: int,
-                 tokenizer: Tokenizer, stops=(), chunk_tokens: int = DEFAULT_CHUNK):
+                 tokenizer: Tokenizer, stops=(), chunk_tokens: int = DEFAULT_CHUNK,
+                 constraint=None, prompt_logits: bool = False):
         self.model, self.session = model, session
         self.max_tokens = _check_count("max_tokens", max_tokens, 0)
         self.chunk_tokens = _check_count("chunk_tokens", chunk_tokens, 1)
@@ -107,6 +116,8 @@ class Generation:
         self._eos = frozenset(tokenizer.eos_ids)
         self._text = StopText(tokenizer, (stops,) if isinstance(stops, str) else tuple(stops))
         self._sampler = Sampler(params)
+        self._constraint = constraint
+        self._prompt_logits = prompt_logits
         self._history = self.ids.tolist()
         self._fed: int | None = None  # prompt tokens in the session; None before the first plan
         self._planned: BatchItem | None = None  # what the current step feeds
@@ -139,12 +150,14 @@ class Generation:
         t0 = time.perf_counter()
         if self._fed is None:
             _check_fits(self.session, len(self.ids))
-            self._fed = self.session.map_prefix(self.ids)  # reused blocks are not recomputed
+            # reused blocks are not recomputed (nor scored: none with prompt_logits)
+            self._fed = 0 if self._prompt_logits else self.session.map_prefix(self.ids)
         if self._fed < len(self.ids):
             n = self.chunk_tokens if max_chunk is None else min(self.chunk_tokens, max_chunk)
             chunk = self.ids[self._fed:self._fed + _check_count("max_chunk", n, 1)]
             last = self._fed + len(chunk) == len(self.ids)
-            self._planned = BatchItem(self.session, chunk, output=last)
+            self._planned = BatchItem(self.session, chunk, output=last or self._prompt_logits,
+                                      all_logits=self._prompt_logits)
             self.prefill_seconds += time.perf_counter() - t0
         else:
             self._planned = BatchItem(self.session, np.array([self._pending], dtype=np.int64))
@@ -161,15 +174,18 @@ class Generation:
         if self.prefilling:  # a prompt chunk
             self.prefill_seconds += seconds
             self._fed += len(item.ids)
-            if not item.output:
-                return Event()
+            scored = result if self._prompt_logits else None
+            if self._fed < len(self.ids):
+                return Event(prompt_logits=scored)
             if self.max_tokens == 0:
-                return self._finish("length", self._text.flush())
+                return self._finish("length", self._text.flush(), prompt_logits=scored)
         else:
             self.decode_seconds += seconds
         t0 = time.perf_counter()
-        event = self._sample(result[0])
+        event = self._sample(result[-1])
         self.decode_seconds += time.perf_counter() - t0
+        if item.all_logits:  # the last prompt chunk, scored
+            event = dataclasses.replace(event, prompt_logits=result)
         return event
 
     def step(self) -> Event:
@@ -185,7 +201,10 @@ class Generation:
             yield self.step()
 
     def _sample(self, logits: np.ndarray) -> Event:
-        token = self._sampler.sample(logits, self._history)
+        allowed = None if self._constraint is None else self._constraint.allowed()
+        token = self._sampler.sample(logits, self._history, allowed)
+        if self._constraint is not None and token not in self._eos:
+            self._constraint.advance(token)
         self._history.append(token)
         self._digest.update(logits.tobytes())
         self.generated += 1
@@ -200,9 +219,10 @@ class Generation:
             return self._finish("length", text + self._text.flush(), token, logits)
         return Event(text, token, logits)
 
-    def _finish(self, reason: str, text: str, token=None, logits=None) -> Event:
+    def _finish(self, reason: str, text: str, token=None, logits=None,
+                prompt_logits=None) -> Event:
         self.finish_reason = reason
-        return Event(text, token, logits, reason)
+        return Event(text, token, logits, reason, prompt_logits)
 
     def telemetry(self) -> dict:
         """The session's K/V summary plus this generation's token counts and phase seconds."""

@@ -8,7 +8,7 @@ temperature == 0 is greedy: argmax after the penalty, lowest id on ties, filters
 Probabilities are float64 over the surviving candidates kept in ascending id order, and ties
 are broken towards the lower id, so a seed fixes the output. (llama.cpp's default chain applies
 temperature after the filters; here it comes first, as in HF transformers.) It does not hold
-the engine loop, stop strings, grammars or logit bias.
+the engine loop, stop strings, grammars (only their mask, `allowed`) or logit bias.
 """
 
 from __future__ import annotations
@@ -145,6 +145,16 @@ def candidate_probs(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndar
     return ids, probs / probs.sum()
 
 
+def mask_logits(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """(V,) float32 logits, (V,) bool -> a copy with disallowed entries at -inf."""
+    if allowed.shape != logits.shape or allowed.dtype != np.bool_:
+        raise DimensionError(f"allowed must be a {logits.shape} bool mask, got "
+                             f"{allowed.shape} {allowed.dtype}")
+    if not allowed.any():
+        raise NumericError("the grammar allows no token at this step")
+    return np.where(allowed, logits, np.float32(-np.inf))
+
+
 class Sampler:
     """Draws token ids with one `SamplingParams` and its own PCG64 stream.
 
@@ -155,12 +165,22 @@ class Sampler:
         self.params = SamplingParams() if params is None else params
         self._rng = np.random.Generator(np.random.PCG64(self.params.seed))
 
-    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
-        """logits: (V,) float32, history: ids generated or prompted so far -> one token id."""
+    def sample(self, logits: np.ndarray, history: Sequence[int] = (),
+               allowed: np.ndarray | None = None) -> int:
+        """logits: (V,) float32, history: ids generated or prompted so far -> one token id.
+
+        allowed: (V,) bool, the tokens a grammar permits (None: all). Applied after the
+        penalty, to a copy: `logits` itself is never changed. Without it, or when it allows
+        every token, the draw is exactly the unconstrained one.
+        """
         penalized = apply_repeat_penalty(check_logits(logits), history, self.params)
+        if allowed is not None:
+            penalized = mask_logits(penalized, allowed)
         if self.params.greedy:
             return int(np.argmax(penalized))  # first maximum = lowest id
         ids, probs = candidate_probs(penalized, self.params)
+        if allowed is not None:  # masked ids have probability 0: drop them before the draw
+            ids, probs = ids[probs > 0], probs[probs > 0]
         cdf = np.cumsum(probs)
         i = int(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"))
         return int(ids[min(i, ids.size - 1)])

@@ -102,8 +102,8 @@ def test_server_errors_are_typed(client):
     assert e.value.status == 404
     with pytest.raises(ApiBadRequestError, match="num_predict"):
         client.generate(MODEL, "hi", options={"num_predict": -3})
-    with pytest.raises(ApiBadRequestError, match="messages"):
-        list(client.chat_stream(MODEL, []))
+    with pytest.raises(ApiBadRequestError, match="messages"):  # ([] loads the model, as Ollama)
+        list(client.chat_stream(MODEL, [{"role": "wizard", "content": "x"}]))
     with pytest.raises(ExactKvUnavailableError, match="in-process"):
         client.exact_kv(MODEL, layer=0)
 

@@ -78,13 +78,17 @@ def bodies(path: str):
         base |= {"prompt": st.text(max_size=30) | VALUE, "messages": MESSAGES,
                  "input": st.lists(st.text(max_size=10), max_size=3) | VALUE,
                  "options": OPTIONS | VALUE, "stream": st.booleans() | VALUE,
-                 "raw": st.booleans(), "cache_salt": VALUE, "system": VALUE}
+                 "raw": st.booleans(), "cache_salt": VALUE, "system": VALUE,
+                 "format": VALUE | st.just("json"), "logprobs": VALUE, "top_logprobs": VALUE,
+                 "truncate": VALUE, "tools": VALUE}
     else:
         base |= {"prompt": st.text(max_size=30) | st.lists(SMALL) | VALUE, "messages": MESSAGES,
                  "input": st.lists(st.text(max_size=10), max_size=3) | VALUE,
                  "max_tokens": SMALL | HUGE_INTS | VALUE, "stream": st.booleans() | VALUE,
                  "stop": VALUE, "seed": VALUE, "top_k": VALUE, "n": VALUE,
-                 "encoding_format": VALUE, "kv_budget": VALUE, "cache_salt": VALUE}
+                 "encoding_format": VALUE, "kv_budget": VALUE, "cache_salt": VALUE,
+                 "response_format": VALUE, "logprobs": VALUE, "top_logprobs": VALUE,
+                 "echo": VALUE, "truncate": VALUE, "tools": VALUE}
     return st.fixed_dictionaries({}, optional=base) | st.dictionaries(st.text(max_size=8), JSON)
 
 

@@ -1,6 +1,7 @@
 """The ASGI application and the uvicorn runner behind `cfr-atlas serve`.
 
-`create_app(model, config)` wires the Ollama and OpenAI routes, `/` and `/metrics` around one
+`create_app(model, config)` wires the Ollama and OpenAI routes, `/`, `/metrics` and llama.cpp's
+`/tokenize` / `/detokenize` around one
 `Service`; the scheduler's worker thread starts and stops with the app's lifespan. `serve`
 loads the model and runs uvicorn (loopback unless told otherwise). Routing-level errors
 (unknown path, wrong method) get the same JSON error shapes as the handlers.
@@ -19,8 +20,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from cfr_atlas.errors import ConfigError
+from cfr_atlas.generate import check_ids
 from cfr_atlas.serve import metrics, ollama_api, openai_api
-from cfr_atlas.serve.http import internal, ollama_error, openai_error
+from cfr_atlas.serve.http import endpoint, internal, ollama_error, openai_error, read_json
+from cfr_atlas.serve.params import get_bool, get_str
 from cfr_atlas.serve.service import ServerConfig, Service
 
 log = logging.getLogger("cfr_atlas.serve")
@@ -35,6 +39,36 @@ async def _metrics(request: Request) -> Response:
     text = metrics.render(state.counts.snapshot(), state.service.scheduler.stats())
     text += metrics.render_store(state.service.model.prefix_store_stats())
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+@endpoint(ollama_error)
+async def _tokenize(request: Request) -> Response:
+    """llama.cpp's server: {"content": str, "add_special": bool, "parse_special": bool} ->
+    {"tokens": [ids]}. add_special adds BOS/EOS as the GGUF says (default false);
+    parse_special maps control-token text to its id (default true, as llama.cpp)."""
+    service = request.app.state.service
+    body = await read_json(request, service.config.max_body_bytes)
+    text = get_str(body, "content")
+    special = get_bool(body, "parse_special", True)
+    add = get_bool(body, "add_special", False)
+    per_gguf = None if add else False
+    ids = service.model.tokenizer.encode(text, add_bos=per_gguf, add_eos=per_gguf,
+                                         special=special)
+    return JSONResponse({"tokens": ids})
+
+
+@endpoint(ollama_error)
+async def _detokenize(request: Request) -> Response:
+    """{"tokens": [ids]} -> {"content": str}; an id outside the vocabulary is a 400."""
+    service = request.app.state.service
+    body = await read_json(request, service.config.max_body_bytes)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                            for i in ids):
+        raise ConfigError("tokens", "must be a list of token ids (integers)")
+    if ids:
+        check_ids(ids, service.model.config.vocab_size)
+    return JSONResponse({"content": service.model.detokenize(ids)})
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -58,6 +92,8 @@ def create_app(model, config: ServerConfig | None = None) -> Starlette:
     config = config or ServerConfig()
     service = Service(model, config)
     routes = [Route("/", _root, methods=["GET"]), Route("/metrics", _metrics, methods=["GET"]),
+              Route("/tokenize", _tokenize, methods=["POST"]),
+              Route("/detokenize", _detokenize, methods=["POST"]),
               *ollama_api.ROUTES, *openai_api.ROUTES]
     counts = metrics.RequestCounts({r.path for r in routes})
 
@@ -89,6 +125,7 @@ def serve(config: ServerConfig, **load_kw) -> None:
     model = load_model(config.model_path, **load_kw)
     model.generate("hi", max_tokens=2)  # compile the kernels before a client waits for them
     app = create_app(model, config)
+    _ = app.state.service.grammar  # prepare the structured-output vocabulary (0.2-4 s) now
     if config.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"cfr-atlas: warning: listening on {config.host}: the API has no "
               "authentication", file=sys.stderr)

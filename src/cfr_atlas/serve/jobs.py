@@ -9,7 +9,8 @@ then one token per step, with the same stop-text rule and phase timings. An `Emb
 feeds one chunk of at most DEFAULT_CHUNK tokens per step, so a long input delays the other
 streams by one chunk at a time, with the result bitwise `Model.embedding`'s. Results go to the
 event loop through the job's `Channel` as ("text", str), ("done", outcome) or
-("error", exception). This module knows nothing of HTTP, JSON or queues.
+("error", exception), and, when asked, ("logprobs" / "prompt_logprobs", [Scored]) before a
+step's text. This module knows nothing of HTTP, JSON or queues.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 
 from cfr_atlas.engine import mean_pool
 from cfr_atlas.generate import DEFAULT_CHUNK, Generation
+from cfr_atlas.logprobs import score
 from cfr_atlas.models.batch import BatchItem
 from cfr_atlas.sampling import SamplingParams
 
@@ -55,6 +57,9 @@ class GenerationSpec:
     max_tokens: int
     stops: tuple[str, ...] = ()
     session_kw: dict = field(default_factory=dict)
+    constraint: object = None  # a text.grammar.Constraint (its own state: one per request)
+    logprobs: int | None = None  # None: off; else score each token with this many alternatives
+    prompt_logprobs: bool = False  # score the prompt's tokens too (echo + logprobs)
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,8 @@ class Outcome:
     prompt_seconds: float  # prefill chunks (the driver's prefill_seconds)
     eval_seconds: float  # decode steps, every sample included (decode_seconds)
     telemetry: dict  # Generation.telemetry(): the session's K/V summary, counts, seconds
+    logprobs: tuple = ()  # logprobs.Scored per generated token (end-of-generation excluded)
+    prompt_logprobs: tuple = ()  # Scored per prompt token after the first
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,8 @@ class GenerationJob(Job):
         self._session = None
         self._run: Generation | None = None
         self._started: float | None = None
+        self._scored: list = []
+        self._prompt_scored: list = []
 
     @property
     def prefilling(self) -> bool:
@@ -142,6 +151,7 @@ class GenerationJob(Job):
 
     def absorb(self, result, seconds: float) -> bool:
         event = self._run.absorb(result, seconds)
+        self._score(event)
         if event.text:
             self.channel.put("text", event.text)
         if event.finish_reason is None:
@@ -150,8 +160,26 @@ class GenerationJob(Job):
         self.channel.put("done", Outcome(
             prompt_tokens=t["prompt_tokens"], eval_count=t["generated_tokens"],
             done_reason=event.finish_reason, queue_seconds=self._started - self.submitted,
-            prompt_seconds=t["prefill_seconds"], eval_seconds=t["decode_seconds"], telemetry=t))
+            prompt_seconds=t["prefill_seconds"], eval_seconds=t["decode_seconds"], telemetry=t,
+            logprobs=tuple(self._scored), prompt_logprobs=tuple(self._prompt_scored)))
         return True
+
+    def _score(self, event) -> None:
+        """Log-probabilities of this step's prompt rows and sampled token, if asked for; sent
+        as ("prompt_logprobs", [Scored]) / ("logprobs", [Scored]) before the step's text."""
+        spec = self.spec
+        if spec.prompt_logprobs and event.prompt_logits is not None:
+            a = len(self._prompt_scored) + 1  # row j of this chunk scores prompt token a + j
+            rows = event.prompt_logits[:len(spec.ids) - a]
+            scored = [score(row, spec.ids[a + j], spec.logprobs or 0)
+                      for j, row in enumerate(rows)]
+            self._prompt_scored += scored
+            self.channel.put("prompt_logprobs", scored)
+        if spec.logprobs is not None and event.token is not None \
+                and event.token not in self.model.tokenizer.eos_ids:
+            scored = [score(event.logits, event.token, spec.logprobs)]
+            self._scored += scored
+            self.channel.put("logprobs", scored)
 
     def _start(self) -> None:
         """First turn, on the worker thread: open the session (kept for `release` even if the
@@ -160,7 +188,8 @@ class GenerationJob(Job):
         self._session = self.model.session(**self.spec.session_kw)
         self._run = Generation(self.model.net, self._session, self.spec.ids, self.spec.params,
                                max_tokens=self.spec.max_tokens, tokenizer=self.model.tokenizer,
-                               stops=self.spec.stops)
+                               stops=self.spec.stops, constraint=self.spec.constraint,
+                               prompt_logits=self.spec.prompt_logprobs)
 
     def release(self) -> None:
         if self._session is not None:

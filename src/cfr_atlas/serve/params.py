@@ -10,11 +10,15 @@ to MAX_EMBED_INPUTS, `cache_salt` to MAX_SALT_CHARS. No model work happens here.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cfr_atlas.errors import ConfigError
+from cfr_atlas.logprobs import MAX_TOP
 from cfr_atlas.models.session import check_kv_budget
 from cfr_atlas.sampling import SamplingParams
 
@@ -24,6 +28,7 @@ MAX_STOPS = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_EMBED_INPUTS = 2048  # inputs per embedding request (OpenAI's own limit)
 MAX_SALT_CHARS = 256  # cache_salt length
+MAX_COMPLETION_TOP = 5  # /v1/completions `logprobs` (OpenAI's limit)
 
 
 def _short(value, limit: int = 80) -> str:
@@ -130,6 +135,28 @@ def get_cache_salt(body: Mapping, key: str = "cache_salt", *, where: str = "") -
     return salt
 
 
+log = logging.getLogger("cfr_atlas.serve")
+# Fields clients commonly send that change nothing here: accepted, with one warning per field in
+# the server log (docs/SERVING.md lists them). Anything else unknown is ignored silently.
+IGNORED_OLLAMA_OPTIONS = frozenset({
+    "num_thread", "num_gpu", "main_gpu", "num_batch", "num_keep", "numa", "use_mmap",
+    "use_mlock", "low_vram", "vocab_only", "mirostat", "mirostat_eta", "mirostat_tau",
+    "typical_p", "tfs_z", "penalize_newline", "presence_penalty", "frequency_penalty"})
+IGNORED_OLLAMA = frozenset({"think", "shift"})
+IGNORED_OPENAI = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
+                            "reasoning_effort", "modalities", "prediction", "safety_identifier",
+                            "prompt_cache_key", "verbosity"})
+_warned: set[str] = set()
+
+
+def warn_ignored(body: Mapping, keys: frozenset, where: str = "") -> None:
+    """Log (once per field) the known fields in `body` that this server accepts but ignores."""
+    for key in keys.intersection(body) - _warned:
+        _warned.add(key)
+        log.warning("ignoring the request field %s%s (no effect in cfr-atlas; logged once)",
+                    where, key)
+
+
 def refuse(body: Mapping, key: str, why: str) -> None:
     """A feature we do not implement: refuse a truthy value instead of silently ignoring it."""
     if body.get(key):
@@ -146,6 +173,18 @@ class GenOptions:
     num_ctx: int | None = None  # context limit for this request; None: the model's
     kv_budget: int | str | None = None  # bytes or "10%"; None: the server's --kv-budget
     cache_salt: str | None = None  # prefix-cache isolation key; None: the shared, unsalted one
+    json_format: JsonFormat | None = None  # structured output; None: free text
+    logprobs: int | None = None  # None: off; else alternatives per token (0 to MAX_TOP)
+    truncate: bool = False  # a prompt over the context limit keeps its end instead of a 400
+
+
+@dataclass(frozen=True)
+class JsonFormat:
+    """Structured output: JSON matching `schema` (None: any JSON object); `field` names the
+    request field it came from, for errors."""
+
+    schema: Mapping | None
+    field: str
 
 
 def _sampling(src: Mapping, where: str) -> SamplingParams:
@@ -194,6 +233,8 @@ def ollama_options(body: Mapping, context_length: int) -> GenOptions:
     """`options` of /api/generate and /api/chat (temperature, num_predict, stop, ...)."""
     opts = get_object(body, "options")
     where = "options."
+    warn_ignored(opts, IGNORED_OLLAMA_OPTIONS, where)
+    warn_ignored(body, IGNORED_OLLAMA)
     n = get_int(opts, "num_predict", where=where)
     if n is not None and n < -1:
         raise ConfigError(where + "num_predict", f"must be >= 0, or -1 for 'until the context "
@@ -205,7 +246,32 @@ def ollama_options(body: Mapping, context_length: int) -> GenOptions:
         num_ctx=_num_ctx(opts, where, context_length),
         kv_budget=kv_budget(opts, where),
         cache_salt=ollama_salt(body),
+        json_format=ollama_format(body),
+        logprobs=_top_logprobs(body, get_bool(body, "logprobs", False), MAX_TOP),
+        truncate=get_bool(body, "truncate", False),
     )
+
+
+def ollama_format(body: Mapping) -> JsonFormat | None:
+    """`format`: "json" (any JSON object), a JSON schema object, or absent / "" (free text)."""
+    value = body.get("format")
+    if value is None or value == "":
+        return None
+    if value == "json":
+        return JsonFormat(None, "format")
+    if isinstance(value, Mapping):
+        return JsonFormat(value, "format")
+    raise ConfigError("format", f"must be \"json\" or a JSON schema object, got {_short(value)}")
+
+
+def _top_logprobs(body: Mapping, on: bool, limit: int, key: str = "top_logprobs") -> int | None:
+    """None when log-probabilities are off; else `top_logprobs` in [0, limit] (default 0)."""
+    n = get_int(body, key, 0)
+    if not 0 <= n <= limit:
+        raise ConfigError(key, f"must be in [0, {limit}], got {n}")
+    if n and not on:
+        raise ConfigError(key, "needs logprobs: true")
+    return n if on else None
 
 
 def ollama_salt(body: Mapping) -> str | None:
@@ -218,7 +284,7 @@ def ollama_salt(body: Mapping) -> str | None:
     return top if top is not None else inner
 
 
-def openai_options(body: Mapping, context_length: int) -> GenOptions:
+def openai_options(body: Mapping, context_length: int, *, chat: bool = True) -> GenOptions:
     """Top-level sampling fields of /v1/chat/completions and /v1/completions.
 
     Extensions beyond OpenAI's set: top_k, min_p, repeat_penalty, repeat_last_n, num_ctx,
@@ -234,11 +300,8 @@ def openai_options(body: Mapping, context_length: int) -> GenOptions:
     for key in ("presence_penalty", "frequency_penalty"):
         if get_number(body, key, 0.0) != 0.0:
             raise ConfigError(key, "is not supported by cfr-atlas; use repeat_penalty")
-    refuse(body, "logprobs", "no log-probabilities are returned")
-    refuse(body, "tools", "no tool calling")
-    fmt = get_object(body, "response_format")
-    if fmt.get("type", "text") != "text":
-        raise ConfigError("response_format", f"only type 'text' is supported, got {_short(fmt)}")
+    refuse(body, "logit_bias", "no logit bias")
+    warn_ignored(body, IGNORED_OPENAI)
     return GenOptions(
         sampling=_sampling(body, ""),
         max_tokens=n,
@@ -246,7 +309,41 @@ def openai_options(body: Mapping, context_length: int) -> GenOptions:
         num_ctx=_num_ctx(body, "", context_length),
         kv_budget=kv_budget(body),
         cache_salt=get_cache_salt(body),
+        json_format=response_format(body),
+        logprobs=(_top_logprobs(body, get_bool(body, "logprobs", False), MAX_TOP) if chat
+                  else _completion_logprobs(body)),
+        truncate=get_bool(body, "truncate", False),
     )
+
+
+def _completion_logprobs(body: Mapping) -> int | None:
+    """/v1/completions `logprobs`: null (off) or the number of alternatives, 0 to 5."""
+    n = get_int(body, "logprobs")
+    if n is not None and not 0 <= n <= MAX_COMPLETION_TOP:
+        raise ConfigError("logprobs", f"must be in [0, {MAX_COMPLETION_TOP}], got {n}")
+    return n
+
+
+def response_format(body: Mapping) -> JsonFormat | None:
+    """`response_format`: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}. The schema is always enforced (`strict` or
+    not: a grammar is the only way we produce JSON)."""
+    fmt = get_object(body, "response_format")
+    kind = get_str(fmt, "type", "text", where="response_format.")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JsonFormat(None, "response_format")
+    if kind != "json_schema":
+        raise ConfigError("response_format.type", f"must be 'text', 'json_object' or "
+                                                  f"'json_schema', got {_short(kind)}")
+    spec = get_object(fmt, "json_schema", where="response_format.")
+    get_bool(spec, "strict", False, where="response_format.json_schema.")
+    schema = spec.get("schema")
+    if not isinstance(schema, Mapping):
+        raise ConfigError("response_format.json_schema.schema",
+                          f"must be a JSON schema object, got {_short(schema)}")
+    return JsonFormat(schema, "response_format.json_schema.schema")
 
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -287,8 +384,127 @@ def chat_messages(body: Mapping) -> list[dict]:
                                               f"{_short(role)}")
         if m.get("images"):
             raise ConfigError(where + "images", "is not supported (the model reads text only)")
-        out.append({"role": _ROLES[role], "content": _content(m, where)})
+        out.append({"role": _ROLES[role], "content": _content(m, where),
+                    **_tool_fields(m, role, where)})
     return out
+
+
+def _arguments(value, where: str) -> dict:
+    """A tool call's arguments: an object (Ollama) or a JSON string of one (OpenAI)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError:
+            raise ConfigError(where, f"is not valid JSON: {_short(value)}") from None
+    if not isinstance(value, Mapping):
+        raise ConfigError(where, f"must be an object (or a JSON string of one), got "
+                                 f"{_short(value)}")
+    return dict(value)
+
+
+def _tool_fields(m: Mapping, role: str, where: str) -> dict:
+    """What a template needs of tool traffic: an assistant's `tool_calls` (arguments as
+    objects), a tool message's `tool_call_id` / `name`."""
+    out = {}
+    calls = m.get("tool_calls")
+    if calls is not None and role == "assistant":
+        if not isinstance(calls, list):
+            raise ConfigError(where + "tool_calls", f"must be a list, got {_short(calls)}")
+        out["tool_calls"] = []
+        for j, call in enumerate(calls):
+            w = f"{where}tool_calls[{j}]."
+            fn = get_object(call if isinstance(call, Mapping) else {}, "function", where=w)
+            entry = {"type": "function", "function": {
+                "name": get_str(fn, "name", where=w + "function."),
+                "arguments": _arguments(fn.get("arguments", {}), w + "function.arguments")}}
+            if isinstance(call, Mapping) and isinstance(call.get("id"), str):
+                entry["id"] = call["id"]
+            out["tool_calls"].append(entry)
+    if role == "tool":
+        for key in ("tool_call_id", "name", "tool_name"):
+            value = get_str(m, key, None, where=where)
+            if value is not None:
+                out[key] = value
+    return out
+
+
+MAX_TOOLS = 128  # tools per request
+
+
+def get_tools(body: Mapping) -> list[dict] | None:
+    """`tools`: [{"type": "function", "function": {"name", "description", "parameters"}}]
+    (both APIs); None when absent or empty."""
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise ConfigError("tools", f"must be a list of at most {MAX_TOOLS} tool objects, got "
+                                   f"{_short(tools)}")
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]."
+        if not isinstance(tool, Mapping):
+            raise ConfigError(where[:-1], f"must be an object, got {_type_name(tool)}")
+        kind = get_str(tool, "type", "function", where=where)
+        if kind != "function":
+            raise ConfigError(where + "type", f"only 'function' tools are supported, got "
+                                              f"{_short(kind)}")
+        fn = get_object(tool, "function", where=where)
+        name = get_str(fn, "name", where=where + "function.")
+        params = get_object(fn, "parameters", where=where + "function.")
+        desc = get_str(fn, "description", "", where=where + "function.")
+        out.append({"type": "function", "function": {"name": name, "description": desc,
+                                                     "parameters": dict(params)}})
+    return out
+
+
+def tool_choice(body: Mapping, tools: list[dict] | None) -> tuple[bool, str | None]:
+    """OpenAI `tool_choice` -> (use the tools, force a call: "*" any, a name, or None).
+    "none" drops the tools; "auto" (default) lets the model choose."""
+    value = body.get("tool_choice")
+    if value is None or value == "auto":
+        return tools is not None, None
+    if value == "none":
+        return False, None
+    if tools is None:
+        raise ConfigError("tool_choice", "needs tools")
+    if value == "required":
+        return True, "*"
+    fn = get_object(value if isinstance(value, Mapping) else {}, "function",
+                    where="tool_choice.")
+    name = get_str(fn, "name", None, where="tool_choice.function.")
+    if not isinstance(value, Mapping) or name is None:
+        raise ConfigError("tool_choice", "must be 'none', 'auto', 'required' or {\"type\": "
+                                         "\"function\", \"function\": {\"name\": ...}}, got "
+                                         + _short(value))
+    if name not in [t["function"]["name"] for t in tools]:
+        raise ConfigError("tool_choice.function.name", f"{name!r} is not one of the tools")
+    return True, name
+
+
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"^(-?)((?:\d+(?:\.\d*)?(?:ns|us|µs|ms|s|m|h))+)$")
+DEFAULT_KEEP_ALIVE = 300.0  # seconds (Ollama's 5m)
+
+
+def keep_alive(body: Mapping) -> float | None:
+    """Ollama `keep_alive`: seconds (a number) or a Go duration ("5m", "1h30m", "-1s");
+    None when absent (the default applies). Negative: forever; 0: unload now."""
+    value = body.get("keep_alive")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if re.fullmatch(r"-?\d+(\.\d+)?", text):
+            return float(text)
+        m = _DURATION.match(text)
+        if m is None:
+            raise ConfigError("keep_alive", f"must be seconds or a duration such as \"5m\", "
+                                            f"got {_short(value)}")
+        parts = re.findall(r"(\d+(?:\.\d*)?)(ns|us|µs|ms|s|m|h)", m.group(2))
+        seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+        return -seconds if m.group(1) else seconds
+    return float(get_number(body, "keep_alive"))
 
 
 def get_dimensions(body: Mapping, dim: int) -> int | None:

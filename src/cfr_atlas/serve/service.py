@@ -12,6 +12,7 @@ HTTP, JSON and response shapes live in the api modules.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from cfr_atlas.serve.card import ModelCard
 from cfr_atlas.serve.jobs import Channel, EmbeddingJob, GenerationJob, GenerationSpec, Job
 from cfr_atlas.serve.params import GenOptions
 from cfr_atlas.serve.scheduler import Scheduler
+from cfr_atlas.text.grammar import TokenGrammar
+from cfr_atlas.text.tools import forced_call_grammar, supports_tools
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class ServerConfig:
     retry_after: int = 1  # seconds, sent with 429
     max_body_bytes: int = 16 << 20
     max_embed_tokens: int = 1 << 17  # tokens of one embedding request, all inputs together
+    keep_alive: float = 300.0  # seconds the model counts as loaded after a request (Ollama's 5m)
 
 
 def shrink(vector: np.ndarray, dims: int | None) -> list[float]:
@@ -62,7 +66,8 @@ class Handle:
         self.scheduler, self.job, self.channel, self.t0 = scheduler, job, channel, t0
 
     async def next_event(self) -> tuple[str, object]:
-        """("text", str) or ("done", outcome); an ("error", exc) event is raised (an untyped
+        """("text", str), ("logprobs" | "prompt_logprobs", [Scored]) or ("done", outcome);
+        an ("error", exc) event is raised (an untyped
         one reaches the client only as an internal error with a request id: see http.py)."""
         kind, value = await self.channel.get()
         if kind == "error":
@@ -82,7 +87,8 @@ class Handle:
         async for kind, value in self.events():
             if kind == "done":
                 return "".join(parts), value
-            parts.append(value)
+            if kind == "text":
+                parts.append(value)
         raise RuntimeError("job ended without an outcome")
 
     def cancel(self) -> None:
@@ -103,6 +109,9 @@ class Service:
                                    retry_after=config.retry_after,
                                    prefill_tokens=config.prefill_tokens)
         self.started = time.time()
+        self._grammar: TokenGrammar | None = None
+        self.expires = math.inf if config.keep_alive < 0 else time.time() + config.keep_alive
+        self._tools: bool | None = None
 
     @property
     def context_length(self) -> int:
@@ -112,9 +121,47 @@ class Service:
         """Text -> ids; `special=True` only for prompts the client templated itself (raw)."""
         return self.model.tokenize(text, special=special)
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        """Messages -> ids; their text never becomes control tokens (`Model.chat_ids`)."""
-        return self.model.chat_ids(messages)
+    def token_text(self, token: int) -> str:
+        """One token's text (a piece of a multi-byte character decodes to U+FFFD)."""
+        return self.model.tokenizer.decode([token])
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.model.tokenizer.token_to_piece(token)
+
+    def keep(self, seconds: float | None) -> None:
+        """A request's `keep_alive` (None: the server's default): the model counts as loaded
+        until then (negative: forever; 0: unloaded now). The weights stay mapped either way:
+        this server holds one model and answers every request with it."""
+        seconds = self.config.keep_alive if seconds is None else seconds
+        self.expires = math.inf if seconds < 0 else time.time() + seconds
+
+    @property
+    def loaded(self) -> bool:
+        return self.expires > time.time() or self.scheduler.stats().active > 0
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the model's chat template renders tool definitions (probed once)."""
+        if self._tools is None:
+            self._tools = supports_tools(self.model.chat_template)
+        return self._tools
+
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Messages (and tools) -> ids; their text never becomes control tokens. Tools, tool
+        calls or tool results for a template that cannot render them are a 400."""
+        uses_tools = tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+        if uses_tools and not self.supports_tools:
+            raise ConfigError("tools", "this model's chat template has no tool support (it "
+                                       "does not render tool definitions); send the request "
+                                       "without tools, tool calls or tool messages")
+        context = {"tools": tools} if tools else {}
+        return self.model.chat_template.encode(self.model.tokenizer, messages,
+                                               add_generation_prompt=True, **context)
+
+    def forced_call(self, tools: list[dict], name: str):
+        """A constraint making the model call `name` ("*": any of `tools`)."""
+        return self.grammar.constraint_lark(
+            forced_call_grammar(tools, None if name == "*" else name), "tool_choice")
 
     def kv_budget(self, requested: int | str | None, context_limit: int) -> int | str | None:
         """The budget a request runs under: its own (bytes or a percentage, which its Session
@@ -146,22 +193,51 @@ class Service:
 
     def check_fits(self, n_tokens: int, limit: int, what: str = "the prompt") -> None:
         if n_tokens > limit:
+            hint = (f"; shorten it, or send \"truncate\": true to keep its last {limit} tokens"
+                    if what == "the prompt" else "; shorten it")
             raise CapacityError(f"{what} is {n_tokens} tokens, more than the context limit of "
-                                f"{limit} tokens; shorten it (cfr-atlas never truncates)")
+                                f"{limit} tokens{hint}")
 
-    def start_generation(self, ids: list[int], opts: GenOptions) -> Handle:
+    @property
+    def grammar(self) -> TokenGrammar:
+        """The vocabulary prepared for constrained decoding (built on first use, ~0.2 s)."""
+        if self._grammar is None:
+            self._grammar = TokenGrammar(self.model.tokenizer)
+        return self._grammar
+
+    def truncated(self, ids: list[int], limit: int) -> list[int]:
+        """The last `limit` ids, behind the BOS token if the prompt starts with one."""
+        if len(ids) <= limit:
+            return ids
+        bos = self.model.tokenizer.bos_id
+        head = ids[:1] if ids[0] == bos and self.model.tokenizer.add_bos else []
+        return head + ids[len(ids) - (limit - len(head)):]
+
+    def start_generation(self, ids: list[int], opts: GenOptions, *,
+                         prompt_logprobs: bool = False, constraint=None) -> Handle:
+        """Submit a generation. A prompt over the context limit is a 400 naming both numbers
+        unless `opts.truncate`; `max_tokens` is capped at the room left (finish "length")."""
         t0 = time.perf_counter()
         if not ids:
             raise ConfigError("prompt", "is empty after tokenization")
         check_ids(ids, self.model.config.vocab_size)
         limit = opts.num_ctx or self.context_length
+        if opts.truncate:
+            ids = self.truncated(ids, limit)
         self.check_fits(len(ids), limit)
         max_tokens = opts.max_tokens if opts.max_tokens is not None else self.config.max_tokens
         room = limit - len(ids) + 1  # the last sampled token is never fed back
         max_tokens = room if max_tokens is None else min(max_tokens, room)
         session_kw = self.session_kw(opts.kv_budget, opts.cache_salt, longest=limit,
                                      context_limit=limit)
-        spec = GenerationSpec(tuple(ids), opts.sampling, max_tokens, opts.stops, session_kw)
+        fmt = opts.json_format
+        if fmt is not None and constraint is not None:
+            raise ConfigError(fmt.field, "cannot be combined with a forced tool call")
+        if fmt is not None:
+            constraint = self.grammar.constraint(fmt.schema, fmt.field)
+        spec = GenerationSpec(tuple(ids), opts.sampling, max_tokens, opts.stops, session_kw,
+                              constraint=constraint, logprobs=opts.logprobs,
+                              prompt_logprobs=prompt_logprobs)
         return self._submit(lambda ch: GenerationJob(self.model, spec, ch), t0)
 
     def start_embedding(self, inputs: list[str | list[int]], kv_budget: int | str | None = None,

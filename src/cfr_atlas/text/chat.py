@@ -119,8 +119,19 @@ class _Escapes:
             s = s[:-1] + self._stand_in(s[-1])
         return s
 
+    def value(self, v):
+        """`v` with every string inside it escaped (dicts and lists walked: tool calls and
+        tool definitions carry client text too)."""
+        if isinstance(v, str):
+            return self.escape(v)
+        if isinstance(v, Mapping):
+            return {k: self.value(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [self.value(x) for x in v]
+        return v
+
     def message(self, m: dict) -> dict:
-        return {k: self.escape(v) if isinstance(v, str) else v for k, v in m.items()}
+        return self.value(m)
 
     def neutral(self, m: dict) -> dict:
         """`m` with every string but the role replaced by one stand-in character: what the
@@ -134,8 +145,8 @@ class _Escapes:
 
 def _seen(template: str, messages: list[dict], context: dict) -> str:
     """Every character the template or its inputs contain (stand-ins must avoid them all)."""
-    strings = [str(v) for m in messages for v in m.values()]
-    return template + "".join(strings) + json.dumps(context, ensure_ascii=False, default=str)
+    strings = json.dumps(messages, ensure_ascii=False, default=str)
+    return template + strings + json.dumps(context, ensure_ascii=False, default=str)
 
 
 def _control_ids(parts: list) -> list[int]:
@@ -193,8 +204,9 @@ class ChatTemplate:
         """
         messages = validate_messages(messages)
         escapes = _Escapes(tokenizer, _seen(self.template, messages, context))
-        text = self.render([escapes.message(m) for m in messages], add_generation_prompt,
-                           **context)
+        messages = [escapes.message(m) for m in messages]
+        context = escapes.value(context)
+        text = self.render(messages, add_generation_prompt, **context)
         parts = tokenizer.split_special(text)
         # The check that makes the promise hold for any template: the control tokens must be
         # those of the same template around neutral messages. Text the escapes cannot see
