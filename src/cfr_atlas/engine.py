@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from cfr_atlas.generate import DEFAULT_CHUNK, Generation, check_ids, prefill
+from cfr_atlas.models.expert_memory import expert_options
 from cfr_atlas.models.families import load_net
 from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
 from cfr_atlas.models.prefix import DEFAULT_DISK_BYTES, PrefixTier, default_prefix_dir
@@ -25,7 +26,8 @@ from cfr_atlas.text import ChatTemplate, Tokenizer
 def load_model(path: str | os.PathLike | None = None, *,
                prefix_cache: str | os.PathLike | bool | None = None,
                prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES,
-               matmul: str = "float") -> Model:
+               matmul: str = "float", expert_budget: int | str | None = None,
+               expert_policy: str = "lru", routing_profile: dict | None = None) -> Model:
     """Load a GGUF model (default: the bundled SmolLM2-135M-Instruct Q4_1).
 
     matmul: "float" (float32 activations times the dequantized weights) or "int8" (activations
@@ -38,9 +40,16 @@ def load_model(path: str | os.PathLike | None = None, *,
     them, with bitwise the same results. None (default): no prefix cache.
     prefix_cache_bytes: the folder's byte budget (default 8 GiB; an int or e.g. "2GiB"); block
     files beyond it are evicted least recently used first, whichever model wrote them.
+
+    expert_budget (MoE models only): bytes for routed-expert weights (an int, "256MiB" or a
+    share of all experts such as "50%"); None keeps every expert resident. Any budget gives
+    bitwise the same logits (docs/MOE.md). expert_policy: "lru", "frequency" or "pinned"
+    (pins the experts most chosen in `routing_profile`, {(layer, expert): count}).
     """
     return Model(GGUFFile(path if path is not None else bundled_model_path()),
-                 prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes, matmul=matmul)
+                 prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes, matmul=matmul,
+                 expert_budget=expert_budget, expert_policy=expert_policy,
+                 routing_profile=routing_profile)
 
 
 def _identity(file_identity: str, matmul: str) -> str:
@@ -55,9 +64,13 @@ class Model:
     """A loaded model with its tokenizer; see the module docstring."""
 
     def __init__(self, gf: GGUFFile, *, prefix_cache=None,
-                 prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES, matmul: str = "float"):
+                 prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES, matmul: str = "float",
+                 expert_budget: int | str | None = None, expert_policy: str = "lru",
+                 routing_profile: dict | None = None):
         self.path = gf.path
-        self.net = load_net(gf, matmul=matmul)  # the family's class, by general.architecture
+        experts = expert_options(gf, expert_budget, expert_policy, routing_profile)
+        self.net = load_net(gf, matmul=matmul, **experts)  # the family's class, by architecture
+        self.experts = getattr(self.net, "experts", None)  # an MoE model's ExpertStore
         self.identity = _identity(gf.identity(), matmul)
         self.net.identity = self.identity
         self.config = self.net.config
@@ -68,6 +81,12 @@ class Model:
         self.prefix = None if not folder else PrefixTier(self.net, self.identity, folder,
                                                          disk_bytes=disk_bytes)
         self.last_telemetry: dict = {}
+
+    def _with_experts(self, telemetry: dict) -> dict:
+        """A call's telemetry plus the expert store's counters (MoE models)."""
+        if self.experts is None:
+            return telemetry
+        return {**telemetry, **self.experts.telemetry.summary()}
 
     # --- text ------------------------------------------------------------------------------
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
@@ -96,7 +115,7 @@ class Model:
         ids = check_ids(ids, self.config.vocab_size)
         with _closing(self.session(**self._sized(len(ids), kv))) as s:
             out = prefill(self.net, s, ids, chunk_tokens=chunk_tokens, all_logits=True)
-            self.last_telemetry = s.telemetry_summary()
+            self.last_telemetry = self._with_experts(s.telemetry_summary())
         return out
 
     def next_logits(self, ids, *, chunk_tokens: int = DEFAULT_CHUNK, **kv) -> np.ndarray:
@@ -104,7 +123,7 @@ class Model:
         ids = check_ids(ids, self.config.vocab_size)
         with _closing(self.session(**self._sized(len(ids), kv))) as s:
             out = prefill(self.net, s, ids, chunk_tokens=chunk_tokens)[0]
-            self.last_telemetry = s.telemetry_summary()
+            self.last_telemetry = self._with_experts(s.telemetry_summary())
         return out
 
     def embedding(self, text: str | list[int], **kv) -> np.ndarray:
@@ -117,7 +136,7 @@ class Model:
         with _closing(self.session(**{"context_limit": len(ids), **kv})) as s:
             h = np.concatenate([self.net.forward_chunk(s, ids[a:a + DEFAULT_CHUNK], hidden=True)
                                 for a in range(0, len(ids), DEFAULT_CHUNK)])
-            self.last_telemetry = s.telemetry_summary()
+            self.last_telemetry = self._with_experts(s.telemetry_summary())
         return mean_pool(h)
 
     # --- generation ------------------------------------------------------------------------
@@ -145,7 +164,7 @@ class Model:
             for event in run.events():
                 if event.text:
                     yield event.text
-            self.last_telemetry = run.telemetry()
+            self.last_telemetry = self._with_experts(run.telemetry())
 
     def generate(self, prompt: str | list[int], **kw) -> str:
         """The whole completion as one string (same options as `stream`)."""
