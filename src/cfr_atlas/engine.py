@@ -70,7 +70,6 @@ class Model:
         self.path = gf.path
         experts = expert_options(gf, expert_budget, expert_policy, routing_profile)
         self.net = load_net(gf, matmul=matmul, **experts)  # the family's class, by architecture
-        self.experts = getattr(self.net, "experts", None)  # an MoE model's ExpertStore
         self.identity = _identity(gf.identity(), matmul)
         self.net.identity = self.identity
         self.config = self.net.config
@@ -81,6 +80,11 @@ class Model:
         self.prefix = None if not folder else PrefixTier(self.net, self.identity, folder,
                                                          disk_bytes=disk_bytes)
         self.last_telemetry: dict = {}
+
+    @property
+    def experts(self):
+        """An MoE model's ExpertStore (None for a dense model)."""
+        return getattr(self.net, "experts", None)
 
     def _with_experts(self, telemetry: dict) -> dict:
         """A call's telemetry plus the expert store's counters (MoE models)."""

@@ -27,7 +27,7 @@ import numpy as np
 from cfr_atlas.errors import ConfigError, ModelFormatError, UnsupportedArchitectureError
 from cfr_atlas.experts import POLICIES, ExpertStore
 from cfr_atlas.models.batch import BatchItem, Rows, check_item
-from cfr_atlas.models.expert_memory import check_host_memory
+from cfr_atlas.models.expert_memory import check_host_memory, parse_expert_budget
 from cfr_atlas.models.gguf_io import GGUFFile
 from cfr_atlas.models.moe import NORM_TOPK, DenseFfn, MoeFfn, expert_source
 from cfr_atlas.models.recompute import kv_head_weights
@@ -308,6 +308,7 @@ class LlamaModel:
                  expert_policy: str = "lru", routing_profile: dict | None = None):
         self.config = LlamaConfig.from_gguf(gf)
         self.matmul = check_arithmetic(matmul)
+        self._gf = gf
         self.experts = _store(gf, self.config, matmul, expert_budget, expert_policy,
                               routing_profile)
         self.weights = LlamaWeights(gf, self.config, matmul, self.experts)
@@ -317,6 +318,21 @@ class LlamaModel:
                                      freq_factors=rope_freq_factors(gf, c))
         # per-head K/V projections for exact recomputation (a copy of the K/V rows only)
         self.kv_weights = [kv_head_weights(gf, c, i, matmul) for i in range(c.n_layers)]
+
+    def set_experts(self, budget=None, policy: str = "lru", profile: dict | None = None):
+        """Replace the expert store (a new budget or policy) without reloading the model; the
+        old pool is released. budget as load_model's expert_budget. -> the new ExpertStore."""
+        if not self.config.n_experts:
+            raise ConfigError("expert_budget", f"this {self.config.arch} model has no experts")
+        budget = parse_expert_budget(budget)
+        self.experts = None  # drop the old pool before the new one is allocated
+        for lay in self.weights.layers:
+            lay.ffn.store = None
+        store = _store(self._gf, self.config, self.matmul, budget, policy, profile)
+        for lay in self.weights.layers:
+            lay.ffn.store = store
+        self.experts = store
+        return store
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """ids (T,) -> (T, dim) float32 rows of the embedding table."""
