@@ -71,6 +71,21 @@ def test_one_slot_runs_in_turns_and_batches_match(model, base):
     model.net.set_experts(None)
 
 
+def test_batched_sequences_under_a_budget_equal_each_alone(model):
+    """forward_batch (the server's step) runs two sequences' rows through one expert pass."""
+    from cfr_atlas.models.batch import BatchItem
+
+    a, b = np.array(IDS[:9], dtype=np.int64), np.array(IDS[4:], dtype=np.int64)
+    alone = [model.logits(a)[-1], model.logits(b)[-1]]
+    model.net.set_experts(3 * model.net.experts.slot_bytes, "frequency")
+    sessions = [model.session(context_limit=16) for _ in range(2)]
+    got = model.net.forward_batch([BatchItem(sessions[0], a), BatchItem(sessions[1], b)])
+    for s in sessions:
+        s.close()
+    assert np.array_equal(got[0][0], alone[0]) and np.array_equal(got[1][0], alone[1])
+    model.net.set_experts(None)
+
+
 def test_pool_is_the_only_expert_memory_and_within_budget(model):
     store = model.net.set_experts("50%")
     model.logits(IDS)
@@ -151,3 +166,14 @@ def test_expert_format_without_kernel_is_refused_at_load():
     mat = ExpertMatrix("blk.0.ffn_gate_exps.weight", GGMLQuantizationType.IQ2_XXS, data, 8, 256)
     with pytest.raises(UnsupportedQuantError, match="IQ2_XXS"):
         ExpertSource([(mat, mat, mat)])
+
+
+def test_read_ahead_of_predicted_experts_is_counted_and_changes_nothing(model, base):
+    k = model.config.n_experts_used
+    store = model.net.set_experts(k * model.net.experts.slot_bytes)
+    assert np.array_equal(model.logits(IDS, chunk_tokens=5), base[0])
+    t = store.telemetry
+    assert t.prefetched > 0  # layer 0 predicts layer 1's experts, which are not resident
+    assert 0 < t.prefetch_used <= t.prefetched  # and some of those are then loaded
+    model.net.set_experts(None)
+    assert model.net.experts.telemetry.prefetched == 0 or not model.net.experts.bounded

@@ -9,6 +9,7 @@ This module reads arrays it is handed; it does not open files or know tensor nam
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,17 +29,24 @@ class ExpertMatrix:
     data: np.ndarray
     rows: int
     cols: int
+    offset: int = -1  # file offset of expert 0's bytes (-1: unknown, no read-ahead)
 
     def raw(self, e: int) -> np.ndarray:
         return self.data[e]
+
+    def byte_range(self, e: int) -> tuple[int, int]:
+        """(file offset, length) of expert e's bytes."""
+        n = self.data[0].nbytes
+        return self.offset + e * n, n
 
 
 class ExpertSource:
     """Per layer (gate, up, down) ExpertMatrix; experts of a layer share shapes and formats."""
 
     def __init__(self, layers: list[tuple[ExpertMatrix, ExpertMatrix, ExpertMatrix]],
-                 arithmetic: str = "float"):
-        self.layers, self.arithmetic = layers, arithmetic
+                 arithmetic: str = "float", path: str | os.PathLike | None = None):
+        self.layers, self.arithmetic, self.path = layers, arithmetic, path
+        self._fd: int | None = None
         self.n_experts = int(layers[0][0].data.shape[0]) if layers else 0
         for gate, up, down in layers:
             for m in (gate, up, down):
@@ -56,6 +64,23 @@ class ExpertSource:
         if m.data.shape[0] != self.n_experts:
             raise DimensionError(f"{m.name}: {m.data.shape[0]} experts, layer 0 has "
                                  f"{self.n_experts}")
+
+    def advise(self, layer: int, e: int) -> None:
+        """Ask the kernel to read expert e's ranges into the page cache ahead of use
+        (posix_fadvise WILLNEED: the reads run in the kernel, overlapping our compute, with no
+        thread of ours and no GIL). A no-op without a file path or offsets."""
+        if self.path is None or not hasattr(os, "posix_fadvise"):
+            return
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        for m in self.layers[layer]:
+            if m.offset >= 0:
+                os.posix_fadvise(self._fd, *m.byte_range(e), os.POSIX_FADV_WILLNEED)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def raw_bytes(self, layer: int) -> int:
         """File bytes one expert of `layer` occupies (gate + up + down)."""

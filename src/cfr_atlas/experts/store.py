@@ -68,6 +68,8 @@ class ExpertTelemetry:
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
     extra_turns: int = 0
+    prefetched: int = 0  # experts whose file ranges were read ahead (posix_fadvise WILLNEED)
+    prefetch_used: int = 0  # of those, loaded by the next step of their layer
     routing: np.ndarray = field(default=None)  # (n_layers, n_experts) times chosen
 
     def __post_init__(self):
@@ -77,7 +79,7 @@ class ExpertTelemetry:
     def summary(self) -> dict:
         keys = ("pool_bytes", "hits", "misses", "bytes_read", "bytes_moved",
                 "last_step_bytes_moved", "last_step_misses", "resident_bytes",
-                "peak_resident_bytes", "extra_turns")
+                "peak_resident_bytes", "extra_turns", "prefetched", "prefetch_used")
         return {"expert_" + k: int(getattr(self, k)) for k in keys}
 
     def routing_report(self) -> list[dict]:
@@ -118,6 +120,7 @@ class ExpertStore:
         self.leases = [0] * n_slots
         self.weights: list[tuple | None] = [None] * n_slots
         self.lock = threading.RLock()
+        self.predicted: dict[int, set] = {}  # layer -> experts read ahead, not yet loaded
         self.telemetry = ExpertTelemetry(self.n_layers, self.n_experts, pool_bytes=self.pool.nbytes)
         if budget is None:
             for i, key in enumerate((lay, e) for lay in range(self.n_layers)
@@ -133,6 +136,23 @@ class ExpertStore:
         """Pool bytes holding every expert: what a 100% budget is."""
         return self.slot_bytes * self.n_layers * self.n_experts
 
+    @property
+    def bounded(self) -> bool:
+        """True when not every expert fits (loads can happen; read-ahead is worth it)."""
+        return self.n_slots < self.n_layers * self.n_experts
+
+    def prefetch(self, layer: int, experts) -> int:
+        """Read ahead the file ranges of `layer`'s experts that are not resident (the kernel
+        does the I/O; no slot is touched); -> how many."""
+        if not 0 <= layer < self.n_layers:
+            return 0
+        missing = {int(e) for e in experts if (layer, int(e)) not in self.slot_of}
+        for e in sorted(missing):
+            self.source.advise(layer, e)
+        self.predicted[layer] = missing
+        self.telemetry.prefetched += len(missing)
+        return len(missing)
+
     def begin_step(self) -> None:
         self.telemetry.last_step_bytes_moved = self.telemetry.last_step_misses = 0
 
@@ -147,6 +167,8 @@ class ExpertStore:
             turns = self.plan(layer, sorted({int(e) for e in experts}))
             self.validate(layer, turns)
             self.telemetry.extra_turns += len(turns) - 1
+            ahead = self.predicted.pop(layer, set())
+            self.telemetry.prefetch_used += sum(k[1] in ahead for t in turns for k, _ in t.loads)
             for turn in turns:
                 yield from self._run(layer, turn)
 

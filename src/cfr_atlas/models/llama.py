@@ -29,7 +29,7 @@ from cfr_atlas.experts import POLICIES, ExpertStore
 from cfr_atlas.models.batch import BatchItem, Rows, check_item
 from cfr_atlas.models.expert_memory import check_host_memory, parse_expert_budget
 from cfr_atlas.models.gguf_io import GGUFFile
-from cfr_atlas.models.moe import NORM_TOPK, DenseFfn, MoeFfn, expert_source
+from cfr_atlas.models.moe import NORM_TOPK, DenseFfn, MoeFfn, expert_source, link_layers
 from cfr_atlas.models.recompute import kv_head_weights
 from cfr_atlas.ops import rms_norm, rope_cos_sin, rope_freqs, rotate
 from cfr_atlas.ops.norm import rms_norm_per_head
@@ -285,6 +285,7 @@ class LlamaWeights:
     def __init__(self, gf: GGUFFile, cfg: LlamaConfig, matmul: str = "float", store=None):
         self.embed, self.output, self.output_norm = embed_and_head(gf, cfg)
         self.layers = [_Layer(gf, cfg, i, matmul, store) for i in range(cfg.n_layers)]
+        link_layers([lay.ffn for lay in self.layers])
 
     @property
     def nbytes(self) -> int:
@@ -325,6 +326,8 @@ class LlamaModel:
         if not self.config.n_experts:
             raise ConfigError("expert_budget", f"this {self.config.arch} model has no experts")
         budget = parse_expert_budget(budget)
+        if self.experts is not None:
+            self.experts.source.close()
         self.experts = None  # drop the old pool before the new one is allocated
         for lay in self.weights.layers:
             lay.ffn.store = None

@@ -77,11 +77,14 @@ class MoeFfn:
                  shared: DenseFfn | None = None, shared_gate: QuantWeight | None = None):
         self.layer, self.router, self.k, self.norm = layer, router, k, norm
         self.store, self.shared, self.shared_gate = store, shared, shared_gate
+        self.next_router: QuantWeight | None = None  # the next layer's, for read-ahead
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
         T, dim = h.shape
         top, w = route(self.router.matmul(h), self.k, self.norm)
         self.store.record_routing(self.layer, top)
+        if self.next_router is not None and self.store.bounded:
+            self._read_ahead(h)
         ys = np.zeros((T, self.k, dim), dtype=np.float32)  # (token, rank) -> expert output
         for e, gate_up, down in self.store.experts(self.layer, np.unique(top)):
             rows, ranks = np.nonzero(top == e)
@@ -97,6 +100,21 @@ class MoeFfn:
         return out
 
 
+    def _read_ahead(self, h: np.ndarray) -> None:
+        """Predict the next layer's experts by its router on this layer's input (the residual
+        stream changes little between layers) and let the store read them ahead; affects
+        speed only (nothing computed here reaches the output)."""
+        predicted, _ = route(self.next_router.matmul(h), self.k, self.norm)
+        self.store.prefetch(self.layer + 1, np.unique(predicted))
+
+
+def link_layers(ffns: list) -> None:
+    """Give each MoE block the next layer's router (read-ahead)."""
+    for ffn, nxt in zip(ffns, ffns[1:], strict=False):
+        if isinstance(ffn, MoeFfn) and isinstance(nxt, MoeFfn):
+            ffn.next_router = nxt.router
+
+
 def expert_matrices(gf, layer: int, dim: int) -> tuple[ExpertMatrix, ...]:
     """The layer's ffn_{gate,up,down}_exps as ExpertMatrix (data viewed per expert)."""
     out = []
@@ -109,12 +127,13 @@ def expert_matrices(gf, layer: int, dim: int) -> tuple[ExpertMatrix, ...]:
         if (cols if role != "down" else rows) != dim:
             raise ModelFormatError(f"{t.name}: shape {[cols, rows, n]} does not fit dim {dim}")
         out.append(ExpertMatrix(t.name, t.tensor_type, np.asarray(t.data).reshape(n, rows, -1),
-                                rows, cols))
+                                rows, cols, int(t.data_offset)))
     return tuple(out)
 
 
 def expert_source(gf, cfg, matmul: str) -> ExpertSource:
-    src = ExpertSource([expert_matrices(gf, i, cfg.dim) for i in range(cfg.n_layers)], matmul)
+    src = ExpertSource([expert_matrices(gf, i, cfg.dim) for i in range(cfg.n_layers)], matmul,
+                       gf.path)
     if src.n_experts != cfg.n_experts:
         raise ModelFormatError(f"{gf.path.name}: expert tensors hold {src.n_experts} experts, "
                                f"metadata {cfg.arch}.expert_count says {cfg.n_experts}")

@@ -10,8 +10,10 @@ Per layer, besides attention (and the arch's Q/K/V biases or QK-norms):
   multi-head, n_kv_heads = n_heads, as llama.cpp sizes that norm n_embd).
 
 `skew` > 0 makes routing concentrate like a trained router's: every embedding row shares one
-direction v, and router row e is noise + skew * c_e * v with c_e falling from 1 to -1 over the
-experts, so low expert ids win most tokens (the routing report measures how much).
+direction v (0.02 v added to rows of spread ~0.09 per element), and router row e is
+noise + skew * c_e * v / dim with c_e falling from 1 to -1 over the experts: expert e's logit
+moves by about skew * c_e * cos(h, v), so low expert ids win more tokens (the routing report
+measures how much).
 The tokenizer (every tokenizer.* field) is copied from the bundled SmolLM2 model, a vocabulary
 llama.cpp and every tool here load. Nothing here is used by the engine.
 """
@@ -51,14 +53,19 @@ def _attention(rng, mat, norm, arch, p, dim, n_heads, n_kv_heads, head_dim):
     return out + [(p + "attn_output.weight", True, mat(dim, qd))]
 
 
-def _experts(rng, mat, arch, p, dim, n_experts, ff, shared_ff, skew, v):
+def _experts(rng, mat, arch, p, dim, n_experts, ff, shared_ff, skew, v, blocks):
     c = np.linspace(1.0, -1.0, n_experts)[:, None]
-    router = mat(n_experts, dim) + skew * c * v[None, :]
+    router = mat(n_experts, dim) + skew * c * v[None, :] / dim  # shifts logits by ~skew*c*cos
+
+    def stack(rows, cols):  # blocks: drawn as quant blocks at write time (only the shape here)
+        if blocks:
+            return BLOCKS, (n_experts, rows, cols)
+        return True, np.stack([mat(rows, cols) for _ in range(n_experts)])
+
     out = [(p + "ffn_gate_inp.weight", False, router),
-           (p + "ffn_gate_exps.weight", True, np.stack([mat(ff, dim) for _ in range(n_experts)])),
-           (p + "ffn_up_exps.weight", True, np.stack([mat(ff, dim) for _ in range(n_experts)])),
-           (p + "ffn_down_exps.weight", True,
-            np.stack([mat(dim, ff) for _ in range(n_experts)]))]
+           (p + "ffn_gate_exps.weight", *stack(ff, dim)),
+           (p + "ffn_up_exps.weight", *stack(ff, dim)),
+           (p + "ffn_down_exps.weight", *stack(dim, ff))]
     if arch == "qwen2moe":
         out += [(p + "ffn_gate_inp_shexp.weight", False, 2.0 * mat(1, dim)[0]),
                 (p + "ffn_gate_shexp.weight", True, mat(shared_ff, dim)),
@@ -68,7 +75,7 @@ def _experts(rng, mat, arch, p, dim, n_experts, ff, shared_ff, skew, v):
 
 
 def _tensors(rng, *, arch, n_layers, dim, n_heads, n_kv_heads, head_dim, ff, shared_ff,
-             n_experts, vocab, skew):
+             n_experts, vocab, skew, blocks=False):
     """[(name, is_matrix, float32 array)] in file order."""
     def mat(n_out, n_in):
         return rng.standard_normal((n_out, n_in)) / math.sqrt(n_in)
@@ -78,17 +85,37 @@ def _tensors(rng, *, arch, n_layers, dim, n_heads, n_kv_heads, head_dim, ff, sha
 
     v = rng.standard_normal(dim)
     v /= np.linalg.norm(v) / math.sqrt(dim)  # unit RMS
-    embd = 2.0 * mat(vocab, dim) + (skew > 0) * 0.5 * v[None, :]
+    embd = 2.0 * mat(vocab, dim) + (skew > 0) * 0.02 * v[None, :]  # cos(row, v) ~ 0.2
     out = [("token_embd.weight", True, embd)]
     for i in range(n_layers):
         p = f"blk.{i}."
         out.append((p + "attn_norm.weight", False, norm(dim)))
         out += _attention(rng, mat, norm, arch, p, dim, n_heads, n_kv_heads, head_dim)
         out.append((p + "ffn_norm.weight", False, norm(dim)))
-        out += _experts(rng, mat, arch, p, dim, n_experts, ff, shared_ff, skew, v)
+        out += _experts(rng, mat, arch, p, dim, n_experts, ff, shared_ff, skew, v, blocks)
     out.append(("output_norm.weight", False, norm(dim)))
     out.append(("output.weight", True, 2.0 * mat(vocab, dim)))  # untied: qwen2moe needs one
-    return [(n, m, a.astype(np.float32)) for n, m, a in out]
+    return [(n, m, a if m is BLOCKS else a.astype(np.float32)) for n, m, a in out]
+
+
+BLOCKS = "blocks"  # an expert tensor drawn directly as random quant blocks (fast, big files)
+# per format: (block dtype, range of q, q's standard deviation): w = d * (q - 8) for Q4_0
+_BLOCK_DRAW = {"Q4_0": (np.dtype([("d", "<f2"), ("qs", "u1", (16,))]), 4.6),
+               "Q8_0": (np.dtype([("d", "<f2"), ("qs", "i1", (32,))]), 73.0)}
+
+
+def random_blocks(rng, shape: tuple, qtype: str) -> np.ndarray:
+    """(n, rows, cols) weights as random Q4_0/Q8_0 blocks, scaled so w ~ 1/sqrt(cols) in
+    spread: (n, rows, row_bytes) uint8, without drawing or quantizing any float matrix."""
+    if qtype not in _BLOCK_DRAW:
+        raise ConfigError("qtype", f"random blocks exist for {sorted(_BLOCK_DRAW)}, not {qtype}")
+    dtype, q_std = _BLOCK_DRAW[qtype]
+    n, rows, cols = shape
+    b = np.empty((n, rows, cols // 32), dtype=dtype)
+    b["d"] = 1.0 / (q_std * math.sqrt(cols))
+    lo, hi = (0, 256) if qtype == "Q4_0" else (-127, 128)
+    b["qs"] = rng.integers(lo, hi, size=b["qs"].shape, dtype=np.int16).astype(b["qs"].dtype)
+    return b.view(np.uint8).reshape(n, rows, -1)
 
 
 def _metadata(w: GGUFWriter, arch, *, n_layers, dim, n_heads, n_kv_heads, head_dim, ff,
@@ -144,10 +171,12 @@ def write_tiny_moe(path, *, arch: str = "qwen3moe", qtype: str = "Q8_0", n_layer
                    dim: int = 64, n_heads: int = 4, n_kv_heads: int = 2, head_dim: int = 16,
                    ff: int = 64, shared_ff: int = 96, n_experts: int = 8, n_used: int = 2,
                    context_length: int = 4096, skew: float = 0.0, seed: int = 0,
-                   tokenizer_from=None) -> Path:
+                   tokenizer_from=None, random_expert_blocks: bool = False) -> Path:
     """Write a tiny MoE GGUF to `path` (temp file, then os.replace) and return the path.
     Matrices in `qtype` (expert matrices included), routers, norms and biases F32; the
-    tokenizer is copied from `tokenizer_from` (default: the bundled SmolLM2 model)."""
+    tokenizer is copied from `tokenizer_from` (default: the bundled SmolLM2 model).
+    random_expert_blocks: expert tensors drawn directly as random Q4_0/Q8_0 blocks (fast for
+    benchmark-sized files; the float64 reference still reads them like any other)."""
     if arch not in MOE_ARCHS or not 1 <= n_used <= n_experts or n_heads % n_kv_heads:
         raise ConfigError("arch", f"need arch in {MOE_ARCHS}, 1 <= n_used <= n_experts and "
                           f"n_heads % n_kv_heads == 0; got {arch!r}, {n_used} of {n_experts}, "
@@ -159,7 +188,8 @@ def write_tiny_moe(path, *, arch: str = "qwen3moe", qtype: str = "Q8_0", n_layer
     rng = np.random.default_rng(seed)
     tensors = _tensors(rng, arch=arch, n_layers=n_layers, dim=dim, n_heads=n_heads,
                        n_kv_heads=n_kv_heads, head_dim=head_dim, ff=ff, shared_ff=shared_ff,
-                       n_experts=n_experts, vocab=vocab, skew=skew)
+                       n_experts=n_experts, vocab=vocab, skew=skew,
+                       blocks=random_expert_blocks)
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     w = GGUFWriter(tmp, arch)
@@ -170,7 +200,8 @@ def write_tiny_moe(path, *, arch: str = "qwen3moe", qtype: str = "Q8_0", n_layer
     _tokenizer(w, src)
     for name, is_matrix, array in tensors:
         t = GGMLQuantizationType[qtype if is_matrix else "F32"]
-        w.add_tensor(name, quantize(array, t), raw_dtype=t)
+        data = random_blocks(rng, array, qtype) if is_matrix is BLOCKS else quantize(array, t)
+        w.add_tensor(name, data, raw_dtype=t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
