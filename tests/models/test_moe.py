@@ -92,3 +92,15 @@ def test_chunked_prefill_and_batches_equal_one_pass(moe_file, arch):
 def test_budget_on_a_dense_model_is_refused(tiny_llama):
     with pytest.raises(ConfigError, match="no experts"):
         load_model(tiny_llama, expert_budget="1MiB")
+
+
+@pytest.mark.parametrize("regen, budget", [("spill", "16KiB"), ("recompute", "72KiB")])
+def test_kv_budget_regenerates_qk_normed_rows_exactly(moe_file, tmp_path, regen, budget):
+    """olmoe's QK-norm spans all heads: recompute replays the whole projection per head."""
+    model = _model(moe_file("olmoe"))
+    ids = list(np.random.default_rng(0).integers(0, 40000, 120))
+    kv = {"page_tokens": 16, "chunk_tokens": 40}
+    base = model.logits(ids, **kv)
+    got = model.logits(ids, kv_budget=budget, regenerator=regen, cache_dir=tmp_path, **kv)
+    assert model.last_telemetry["pages_regenerated"] > 0
+    assert np.array_equal(got, base)
