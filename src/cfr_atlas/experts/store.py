@@ -237,7 +237,8 @@ class ExpertStore:
                 raise CapacityError(
                     f"expert plan for layer {layer} refused: experts {t.experts} (valid 0.."
                     f"{self.n_experts - 1}), {len(t.experts)} in a turn for {self.n_slots} slots,"
-                    f" loads into slots {slots} (leased: {[s for s in slots if self.leases[s]]})")
+                    f" loads into slots {slots} of 0..{self.n_slots - 1} (leased: "
+                    f"{[s for s in slots if 0 <= s < self.n_slots and self.leases[s]]})")
 
     def _load(self, key: Key, slot: int) -> None:
         """Evict the slot's expert (if any) and copy `key`'s repacked matrices into it."""

@@ -1,4 +1,5 @@
-"""Expert options at the load boundary: parse the expert budget, check host memory first.
+"""Expert options at the load boundary: parse the expert budget, check host memory, build the
+store.
 
 `expert_options` turns the user's expert_budget ("256MiB", 1 << 28, "50%" of all experts,
 None = all resident), policy and routing profile into the keyword arguments of an MoE family.
@@ -12,6 +13,8 @@ from __future__ import annotations
 import psutil
 
 from cfr_atlas.errors import ConfigError, HostMemoryError
+from cfr_atlas.experts import POLICIES, ExpertStore
+from cfr_atlas.models.moe import expert_source
 from cfr_atlas.models.session import parse_bytes
 
 # Upper bound of repacked bytes per stored byte (Q4 formats unpack nibbles to bytes: ~2x;
@@ -60,3 +63,25 @@ def check_host_memory(gf, pool_bytes: int, budget) -> None:
             f"weights ~{resident:,} + expert pool {pool_bytes:,}) but {available:,} bytes are "
             f"available; lower expert_budget (--expert-budget, now "
             f"{'all experts' if budget is None else budget}) or free memory")
+
+
+def build_store(gf, cfg, matmul: str, budget, policy: str,
+                profile: dict | None) -> ExpertStore | None:
+    """The expert store of an MoE model (None for a dense one): every expert resident when
+    `budget` is None, else a pool of at most `budget` bytes (or that share of all experts)
+    evicting by `policy`. Host memory is checked before the pool is allocated."""
+    if not cfg.n_experts:
+        if budget is not None:
+            raise ConfigError("expert_budget", f"{gf.path.name} is a dense {cfg.arch} model; "
+                              "it has no experts to budget")
+        return None
+    if policy not in POLICIES:
+        raise ConfigError("expert_policy", f"{policy!r} is not one of {sorted(POLICIES)}")
+    source = expert_source(gf, cfg, matmul)
+    store = ExpertStore(source, budget, POLICIES["lru"](),
+                        before_alloc=lambda n: check_host_memory(gf, n, budget))
+    if policy == "pinned":  # pin all but one layer's top-k worth of slots
+        store.policy = POLICIES[policy](profile or {}, max(store.n_slots - cfg.n_experts_used, 0))
+    elif policy != "lru":
+        store.policy = POLICIES[policy]()
+    return store

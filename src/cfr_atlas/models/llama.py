@@ -25,11 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from cfr_atlas.errors import ConfigError, ModelFormatError, UnsupportedArchitectureError
-from cfr_atlas.experts import POLICIES, ExpertStore
 from cfr_atlas.models.batch import BatchItem, Rows, check_item
-from cfr_atlas.models.expert_memory import check_host_memory, parse_expert_budget
+from cfr_atlas.models.expert_memory import build_store, parse_expert_budget
 from cfr_atlas.models.gguf_io import GGUFFile
-from cfr_atlas.models.moe import NORM_TOPK, DenseFfn, MoeFfn, expert_source, link_layers
+from cfr_atlas.models.moe import NORM_TOPK, DenseFfn, MoeFfn, link_layers
 from cfr_atlas.models.recompute import kv_head_weights
 from cfr_atlas.ops import rms_norm, rope_cos_sin, rope_freqs, rotate
 from cfr_atlas.ops.norm import rms_norm_per_head
@@ -310,8 +309,8 @@ class LlamaModel:
         self.config = LlamaConfig.from_gguf(gf)
         self.matmul = check_arithmetic(matmul)
         self._gf = gf
-        self.experts = _store(gf, self.config, matmul, expert_budget, expert_policy,
-                              routing_profile)
+        self.experts = build_store(gf, self.config, matmul, expert_budget, expert_policy,
+                                   routing_profile)
         self.weights = LlamaWeights(gf, self.config, matmul, self.experts)
         c = self.config
         self.rope_freqs = rope_freqs(c.rope_dims, theta=c.rope_theta,
@@ -331,7 +330,7 @@ class LlamaModel:
         self.experts = None  # drop the old pool before the new one is allocated
         for lay in self.weights.layers:
             lay.ffn.store = None
-        store = _store(self._gf, self.config, self.matmul, budget, policy, profile)
+        store = build_store(self._gf, self.config, self.matmul, budget, policy, profile)
         for lay in self.weights.layers:
             lay.ffn.store = store
         self.experts = store
@@ -515,24 +514,3 @@ class LlamaModel:
             a += len(r)
         return results
 
-
-def _store(gf: GGUFFile, cfg: LlamaConfig, matmul: str, budget, policy: str,
-           profile: dict | None) -> ExpertStore | None:
-    """The expert store of an MoE model (None for a dense one): every expert resident when
-    `budget` is None, else a pool of at most `budget` bytes (or that share of all experts)
-    evicting by `policy`. Host memory is checked before the pool is allocated."""
-    if not cfg.n_experts:
-        if budget is not None:
-            raise ConfigError("expert_budget", f"{gf.path.name} is a dense {cfg.arch} model; "
-                              "it has no experts to budget")
-        return None
-    if policy not in POLICIES:
-        raise ConfigError("expert_policy", f"{policy!r} is not one of {sorted(POLICIES)}")
-    source = expert_source(gf, cfg, matmul)
-    store = ExpertStore(source, budget, POLICIES["lru"](),
-                        before_alloc=lambda n: check_host_memory(gf, n, budget))
-    if policy == "pinned":  # pin all but one layer's top-k worth of slots
-        store.policy = POLICIES[policy](profile or {}, max(store.n_slots - cfg.n_experts_used, 0))
-    elif policy != "lru":
-        store.policy = POLICIES[policy]()
-    return store
