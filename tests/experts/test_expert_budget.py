@@ -177,3 +177,10 @@ def test_read_ahead_of_predicted_experts_is_counted_and_changes_nothing(model, b
     assert 0 < t.prefetch_used <= t.prefetched  # and some of those are then loaded
     model.net.set_experts(None)
     assert model.net.experts.telemetry.prefetched == 0 or not model.net.experts.bounded
+
+
+def test_int8_arithmetic_under_a_budget_equals_its_all_resident_run(moe_file):
+    model = load_model(moe_file("qwen2moe"), matmul="int8")
+    base = model.logits(IDS)
+    model.net.set_experts(model.net.experts.slot_bytes, "frequency")  # one slot: turns
+    assert np.array_equal(model.logits(IDS, chunk_tokens=3), base)
