@@ -46,7 +46,7 @@ def test_logits_match_float64_reference(moe_file, arch):
     path = moe_file(arch)
     ref = moe_reference_logits(_reader(path), IDS)
     got = _model(path).logits(IDS, storage_dtype="float32")
-    assert np.abs(got - ref).max() < 1e-3  # measured ~2e-5 (float32 vs float64 arithmetic)
+    assert np.abs(got - ref).max() < 1e-4  # measured 2.5e-6..3.6e-6 (float32 vs float64)
     assert np.array_equal(got.argmax(1), ref.argmax(1))
 
 
