@@ -138,3 +138,21 @@ def redis_factory():
     yield make
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def moe_file(tmp_path_factory):
+    """Factory: moe_file(arch, qtype="Q8_0", **write_tiny_moe kwargs) -> Path of a tiny MoE
+    GGUF (bundled tokenizer copied), written once per session and parameter set."""
+    from cfr_atlas.testing.tiny_moe import write_tiny_moe
+
+    root, made = tmp_path_factory.mktemp("tiny_moe"), {}
+
+    def make(arch: str, qtype: str = "Q8_0", **kw) -> Path:
+        key = (arch, qtype, tuple(sorted(kw.items())))
+        if key not in made:
+            made[key] = write_tiny_moe(root / f"{arch}-{qtype}-{len(made)}.gguf", arch=arch,
+                                       qtype=qtype, **kw)
+        return made[key]
+
+    return make

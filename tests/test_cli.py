@@ -55,7 +55,7 @@ EXPECTED = {
     "not_gguf": ("is not a GGUF file", "convert the model"),
     "truncated_header": ("truncated", "download or convert it again"),
     "truncated_tensors": ("truncated", "download or convert it again"),
-    "mamba": ("architecture 'mamba' is not supported", "llama, qwen2",
+    "mamba": ("architecture 'mamba' is not supported", "llama, olmoe, qwen2, qwen2moe, qwen3moe",
               "use a GGUF of one of those"),
     "iq4_xs": ("blk.1.attn_q.weight", "IQ4_XS", "Q8_0, Q4_0, Q4_1", "re-quantize"),
 }

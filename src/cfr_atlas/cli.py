@@ -39,6 +39,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="K/V storage dtype (default float16; float32 doubles the K/V bytes)")
     p.add_argument("--cache-dir", default=None, help="folder for page files (default: user cache)")
     _matmul_arg(p)
+    _expert_args(p)
     p.add_argument("--prefix-cache", default=None, metavar="DIR",
                    help="persistent prefix cache folder: prompts starting with cached blocks "
                    "skip recomputing them (bitwise the same output)")
@@ -48,6 +49,19 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw", action="store_true",
                    help="do not apply the chat template (control-token text in the prompt is "
                    "then parsed as control tokens)")
+
+
+def _expert_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--expert-budget", default=None, metavar="SIZE",
+                   help="MoE models: bytes for routed-expert weights, e.g. 256MiB, or a share "
+                   "of all experts, e.g. 50%%; cold experts are read from the model file "
+                   "(default: all resident). Output does not change")
+    p.add_argument("--expert-policy", default="lru", choices=["lru", "frequency"],
+                   help="which expert to evict when the budget is full (default lru)")
+
+
+def _expert_kw(a) -> dict:
+    return {"expert_budget": a.expert_budget, "expert_policy": a.expert_policy}
 
 
 def _matmul_arg(p: argparse.ArgumentParser) -> None:
@@ -125,6 +139,7 @@ def _serve_parser(sub) -> None:
                    "K/V at the model's context length. " + _KV_HELP)
     s.add_argument("--cache-dir", default=None, help="folder for page files (default: user cache)")
     _matmul_arg(s)
+    _expert_args(s)
     s.add_argument("--prefix-cache", default=None, metavar="DIR",
                    help="persistent prefix cache folder shared by all requests; clients that "
                    "send different cache_salt values never share blocks")
@@ -162,7 +177,8 @@ def _serve(a) -> None:
                        max_queue=a.max_queue, max_tokens=a.max_tokens,
                        prefill_tokens=a.prefill_tokens),
           prefix_cache=a.prefix_cache, prefix_cache_bytes=a.prefix_cache_bytes,
-          prefix_store=a.prefix_store, prefix_store_ttl=a.prefix_store_ttl, matmul=a.matmul)
+          prefix_store=a.prefix_store, prefix_store_ttl=a.prefix_store_ttl, matmul=a.matmul,
+          **_expert_kw(a))
 
 
 def _validate(a) -> int:
@@ -219,14 +235,23 @@ def telemetry_lines(t: dict) -> list[str]:
         f"{prompt - cached} computed, {prefill_s:.3f} s)",
         f"decode tok/s     {_rate(t.get('generated_tokens', 0), decode_s)} "
         f"({t.get('generated_tokens', 0)} tokens, {decode_s:.3f} s)",
-    ]
+    ] + _expert_lines(t)
+
+
+def _expert_lines(t: dict) -> list[str]:
+    if "expert_pool_bytes" not in t:
+        return []
+    return [f"expert pool      {_fmt_bytes(t['expert_pool_bytes'])} (peak resident "
+            f"{_fmt_bytes(t['expert_peak_resident_bytes'])})",
+            f"expert hits      {t['expert_hits']:,} hits, {t['expert_misses']:,} misses, "
+            f"{_fmt_bytes(t['expert_bytes_read'])} read from the file"]
 
 
 def _generate(a) -> int:
     from cfr_atlas.engine import load_model
 
     model = load_model(a.model, prefix_cache=a.prefix_cache,
-                       prefix_cache_bytes=a.prefix_cache_bytes, matmul=a.matmul)
+                       prefix_cache_bytes=a.prefix_cache_bytes, matmul=a.matmul, **_expert_kw(a))
     prompt = (model.tokenize(a.prompt, special=True) if a.raw  # --raw: the template is yours
               else model.chat_ids([{"role": "user", "content": a.prompt}]))
     for piece in model.stream(prompt, **_gen_options(a), **_kv_options(a)):
@@ -250,7 +275,7 @@ def _chat(a) -> None:
     from cfr_atlas.engine import load_model
 
     model = load_model(a.model, prefix_cache=a.prefix_cache,
-                       prefix_cache_bytes=a.prefix_cache_bytes, matmul=a.matmul)
+                       prefix_cache_bytes=a.prefix_cache_bytes, matmul=a.matmul, **_expert_kw(a))
     messages = []
     print("cfr-atlas chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from cfr_atlas.generate import DEFAULT_CHUNK, Generation, check_ids, prefill
+from cfr_atlas.models.expert_memory import expert_options
 from cfr_atlas.models.families import load_net
 from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
 from cfr_atlas.models.prefix import DEFAULT_DISK_BYTES, PrefixTier, default_prefix_dir
@@ -26,7 +27,8 @@ def load_model(path: str | os.PathLike | None = None, *,
                prefix_cache: str | os.PathLike | bool | None = None,
                prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES,
                prefix_store: str | None = None, prefix_store_ttl: int | None = None,
-               matmul: str = "float") -> Model:
+               matmul: str = "float", expert_budget: int | str | None = None,
+               expert_policy: str = "lru", routing_profile: dict | None = None) -> Model:
     """Load a GGUF model (default: the bundled SmolLM2-135M-Instruct Q4_1).
 
     matmul: "float" (float32 activations times the dequantized weights) or "int8" (activations
@@ -44,10 +46,17 @@ def load_model(path: str | os.PathLike | None = None, *,
     without `prefix_cache`. Redis being down or slow only costs cache hits.
     prefix_store_ttl: seconds a block stays in Redis after its last use (None: until Redis's
     own maxmemory eviction).
+
+    expert_budget (MoE models only): bytes for routed-expert weights (an int, "256MiB" or a
+    share of all experts such as "50%"); None keeps every expert resident. Any budget gives
+    bitwise the same logits (docs/MOE.md). expert_policy: "lru", "frequency" or "pinned"
+    (pins the experts most chosen in `routing_profile`, {(layer, expert): count}).
     """
     return Model(GGUFFile(path if path is not None else bundled_model_path()),
                  prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes,
-                 prefix_store=prefix_store, prefix_store_ttl=prefix_store_ttl, matmul=matmul)
+                 prefix_store=prefix_store, prefix_store_ttl=prefix_store_ttl, matmul=matmul,
+                 expert_budget=expert_budget, expert_policy=expert_policy,
+                 routing_profile=routing_profile)
 
 
 def _identity(file_identity: str, matmul: str) -> str:
@@ -63,9 +72,12 @@ class Model:
 
     def __init__(self, gf: GGUFFile, *, prefix_cache=None,
                  prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES, prefix_store=None,
-                 prefix_store_ttl: int | None = None, matmul: str = "float"):
+                 prefix_store_ttl: int | None = None, matmul: str = "float",
+                 expert_budget: int | str | None = None, expert_policy: str = "lru",
+                 routing_profile: dict | None = None):
         self.path = gf.path
-        self.net = load_net(gf, matmul=matmul)  # the family's class, by general.architecture
+        experts = expert_options(gf, expert_budget, expert_policy, routing_profile)
+        self.net = load_net(gf, matmul=matmul, **experts)  # the family's class, by architecture
         self.identity = _identity(gf.identity(), matmul)
         self.net.identity = self.identity
         self.config = self.net.config
@@ -84,6 +96,17 @@ class Model:
         """The shared prefix store's counters (`RemoteStats`), or None without one."""
         remote = None if self.prefix is None else self.prefix.remote
         return None if remote is None else remote.stats()
+
+    @property
+    def experts(self):
+        """An MoE model's ExpertStore (None for a dense model)."""
+        return getattr(self.net, "experts", None)
+
+    def _with_experts(self, telemetry: dict) -> dict:
+        """A call's telemetry plus the expert store's counters (MoE models)."""
+        if self.experts is None:
+            return telemetry
+        return {**telemetry, **self.experts.telemetry.summary()}
 
     # --- text ------------------------------------------------------------------------------
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
@@ -112,7 +135,7 @@ class Model:
         ids = check_ids(ids, self.config.vocab_size)
         with _closing(self.session(**self._sized(len(ids), kv))) as s:
             out = prefill(self.net, s, ids, chunk_tokens=chunk_tokens, all_logits=True)
-            self.last_telemetry = s.telemetry_summary()
+            self.last_telemetry = self._with_experts(s.telemetry_summary())
         return out
 
     def next_logits(self, ids, *, chunk_tokens: int = DEFAULT_CHUNK, **kv) -> np.ndarray:
@@ -120,7 +143,7 @@ class Model:
         ids = check_ids(ids, self.config.vocab_size)
         with _closing(self.session(**self._sized(len(ids), kv))) as s:
             out = prefill(self.net, s, ids, chunk_tokens=chunk_tokens)[0]
-            self.last_telemetry = s.telemetry_summary()
+            self.last_telemetry = self._with_experts(s.telemetry_summary())
         return out
 
     def embedding(self, text: str | list[int], **kv) -> np.ndarray:
@@ -133,7 +156,7 @@ class Model:
         with _closing(self.session(**{"context_limit": len(ids), **kv})) as s:
             h = np.concatenate([self.net.forward_chunk(s, ids[a:a + DEFAULT_CHUNK], hidden=True)
                                 for a in range(0, len(ids), DEFAULT_CHUNK)])
-            self.last_telemetry = s.telemetry_summary()
+            self.last_telemetry = self._with_experts(s.telemetry_summary())
         return mean_pool(h)
 
     # --- generation ------------------------------------------------------------------------
@@ -161,7 +184,7 @@ class Model:
             for event in run.events():
                 if event.text:
                     yield event.text
-            self.last_telemetry = run.telemetry()
+            self.last_telemetry = self._with_experts(run.telemetry())
 
     def generate(self, prompt: str | list[int], **kw) -> str:
         """The whole completion as one string (same options as `stream`)."""

@@ -73,6 +73,10 @@ class UnsupportedArchitectureError(ModelFormatError):
     """The GGUF's general.architecture is not a family cfr-atlas implements."""
 
 
+class HostMemoryError(CapacityError):
+    """Loading would need more memory than the host has available; names the budget to lower."""
+
+
 class KvPoolExhausted(CapacityError):
     """The paged block pool has no free block; raised before any state changes."""
 

@@ -9,15 +9,18 @@ This module holds only the table and the two look-ups.
 
 from __future__ import annotations
 
-from cfr_atlas.errors import UnsupportedArchitectureError
+from cfr_atlas.errors import ConfigError, UnsupportedArchitectureError
 from cfr_atlas.models.gemma3 import Gemma3Config, Gemma3Model
 from cfr_atlas.models.gguf_io import GGUFFile
 from cfr_atlas.models.llama import LlamaConfig, LlamaModel
 
 # architecture -> (model class, config class)
 FAMILIES = {
-    "llama": (LlamaModel, LlamaConfig),
+    "llama": (LlamaModel, LlamaConfig),  # with expert_count > 0: Mixtral's layout
     "qwen2": (LlamaModel, LlamaConfig),
+    "qwen2moe": (LlamaModel, LlamaConfig),
+    "qwen3moe": (LlamaModel, LlamaConfig),
+    "olmoe": (LlamaModel, LlamaConfig),
     "gemma3": (Gemma3Model, Gemma3Config),
 }
 
@@ -31,10 +34,15 @@ def _family(gf: GGUFFile):
     return FAMILIES[arch]
 
 
-def load_net(gf: GGUFFile, *, matmul: str = "float"):
+def load_net(gf: GGUFFile, *, matmul: str = "float", **experts):
     """The model (config + weights + forward) for the file's architecture; `matmul` the
-    arithmetic of its layer products ("float" or "int8")."""
-    return _family(gf)[0](gf, matmul=matmul)
+    arithmetic of its layer products ("float" or "int8"); `experts` (expert_budget,
+    expert_policy, routing_profile) for the MoE families, refused by the others."""
+    cls = _family(gf)[0]
+    if experts and cls is not LlamaModel:
+        raise ConfigError("expert_budget", f"{gf.path.name} ({gf.meta('general.architecture')})"
+                          " has no experts to budget")
+    return cls(gf, matmul=matmul, **experts)
 
 
 def config_of(gf: GGUFFile):

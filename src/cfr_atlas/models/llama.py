@@ -1,4 +1,5 @@
-"""The Llama family (llama, qwen2): config from GGUF metadata, weights, the forward pass.
+"""The Llama family (llama, qwen2, and the MoE archs qwen2moe, qwen3moe, olmoe, Mixtral-style
+llama with expert_count > 0): config from GGUF metadata, weights, the forward pass.
 
 One frozen `LlamaConfig` built in one place from metadata; `LlamaWeights` loads quantized
 matrices as `QuantWeight`s (never expanded to float32) and fuses Q|K|V and gate|up visibly, by
@@ -7,9 +8,12 @@ transformer for a chunk of tokens, top to bottom, with every attention call goin
 caller's `Atlas` (the model's K/V lives there and in the session's regenerator).
 `forward_batch` is the same pass for several sequences at once (see its docstring).
 
-Architecture differences (RoPE convention, Q/K/V biases, rope_freqs) live in `ARCHS`, not as
-branches in a loader. RoPE scaling follows llama.cpp: linear `rope.scaling.factor`, and the
-per-pair `rope_freqs.weight` divisors of Llama 3.1/3.2; YaRN and unknown types are refused.
+Architecture differences (RoPE convention, Q/K/V biases, rope_freqs, QK-norm) live in `ARCHS`,
+not as branches in a loader; the feed-forward block (dense or MoE, models/moe.py) is one object
+per layer, `lay.ffn`. QK-norm: "head" normalizes each head (qwen3moe), "full" the whole Q and K
+projections (olmoe), both before RoPE as llama.cpp does. RoPE scaling follows llama.cpp: linear
+`rope.scaling.factor`, and the per-pair `rope_freqs.weight` divisors of Llama 3.1/3.2; YaRN and
+unknown types are refused.
 This module holds no sampling, tokenization or generation loop.
 """
 
@@ -20,20 +24,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cfr_atlas.errors import ModelFormatError, UnsupportedArchitectureError
+from cfr_atlas.errors import ConfigError, ModelFormatError, UnsupportedArchitectureError
 from cfr_atlas.models.batch import BatchItem, Rows, check_item
+from cfr_atlas.models.expert_memory import build_store, parse_expert_budget
 from cfr_atlas.models.gguf_io import GGUFFile
+from cfr_atlas.models.moe import NORM_TOPK, DenseFfn, MoeFfn, link_layers
 from cfr_atlas.models.recompute import kv_head_weights
-from cfr_atlas.ops import rms_norm, rope_cos_sin, rope_freqs, rotate, swiglu
+from cfr_atlas.ops import rms_norm, rope_cos_sin, rope_freqs, rotate
+from cfr_atlas.ops.norm import rms_norm_per_head
 from cfr_atlas.quant import QuantWeight
+from cfr_atlas.quant.formats import QType
 from cfr_atlas.quant.weight import check_arithmetic
 
 # per architecture: RoPE convention (llama.cpp's converter permutes llama Q/K rows so that
 # adjacent pairs rotate; qwen2 keeps HF's split halves), whether Q/K/V carry biases, and whether
 # llama.cpp reads the optional `rope_freqs.weight` (Llama 3.1/3.2 store their scaling there).
+# MoE archs (moe=True) need expert_count > 0; llama may have experts (Mixtral) or not.
 ARCHS = {
     "llama": {"rope_mode": "normal", "qkv_bias": False, "rope_freqs": True},
     "qwen2": {"rope_mode": "neox", "qkv_bias": True, "rope_freqs": False},
+    "qwen2moe": {"rope_mode": "neox", "qkv_bias": True, "rope_freqs": False, "moe": True},
+    "qwen3moe": {"rope_mode": "neox", "qkv_bias": False, "rope_freqs": False, "moe": True,
+                 "qk_norm": "head"},
+    "olmoe": {"rope_mode": "neox", "qkv_bias": False, "rope_freqs": False, "moe": True,
+              "qk_norm": "full"},
 }
 # `rope.scaling.type` values we implement, as llama.cpp does: absent means "linear" (a no-op
 # without a factor). "llama3" is no runtime type in llama.cpp: its converter bakes Llama 3.1's
@@ -63,10 +77,14 @@ class LlamaConfig:
     rope_mode: str
     rope_freq_scale: float
     qkv_bias: bool
+    key_length: int = 0  # head_dim when the file sets attention.key_length (qwen3moe)
+    n_experts: int = 0  # 0: a dense model
+    n_experts_used: int = 0
+    qk_norm: str | None = None  # None, "head" or "full"
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.key_length or self.dim // self.n_heads
 
     @property
     def group(self) -> int:
@@ -104,29 +122,48 @@ class LlamaConfig:
         dim = count("embedding_length")
         n_heads = count("attention.head_count", high=LIMITS["heads"])
         n_kv = count("attention.head_count_kv", n_heads, high=LIMITS["heads"])
-        if dim % n_heads or n_heads % n_kv:
+        key_length = count("attention.key_length", 0, high=LIMITS["size"]) \
+            if gf.has(f"{arch}.attention.key_length") else 0
+        if (dim % n_heads and not key_length) or n_heads % n_kv:
             raise ModelFormatError(f"{gf.path.name}: dim {dim}, {n_heads} heads and {n_kv} K/V "
                                    f"heads do not divide evenly ({arch}.embedding_length must "
                                    "be a multiple of attention.head_count, and that of "
                                    "attention.head_count_kv)")
-        rope_dims = count("rope.dimension_count", dim // n_heads, high=dim // n_heads)
+        head_dim = key_length or dim // n_heads
+        rope_dims = count("rope.dimension_count", head_dim, high=head_dim)
         if rope_dims % 2:
             raise ModelFormatError(f"{gf.path.name}: metadata {arch}.rope.dimension_count = "
                                    f"{rope_dims} is odd (RoPE rotates pairs)")
         embd = gf.tensor("token_embd.weight")
         vocab = count("vocab_size", len(gf.meta("tokenizer.ggml.tokens", []))
                       or int(embd.shape[1]), high=LIMITS["vocab"])
+        n_experts, n_used = _expert_counts(gf, arch, count)
         return cls(
             arch=arch, n_layers=count("block_count", high=LIMITS["layers"]), dim=dim,
-            n_heads=n_heads, n_kv_heads=n_kv, hidden_dim=count("feed_forward_length"),
+            n_heads=n_heads, n_kv_heads=n_kv,
+            hidden_dim=count("feed_forward_length") if gf.has(f"{arch}.feed_forward_length")
+            or not n_experts else 0,
             vocab_size=vocab, context_length=count("context_length", 4096,
                                                    high=LIMITS["context"]),
             norm_eps=real("attention.layer_norm_rms_epsilon", 1e-5, high=1.0),
             rope_theta=real("rope.freq_base", 10000.0),
             rope_dims=rope_dims,
             rope_mode=ARCHS[arch]["rope_mode"], rope_freq_scale=rope_freq_scale(gf, arch),
-            qkv_bias=ARCHS[arch]["qkv_bias"],
+            qkv_bias=ARCHS[arch]["qkv_bias"], key_length=key_length, n_experts=n_experts,
+            n_experts_used=n_used, qk_norm=ARCHS[arch].get("qk_norm"),
         )
+
+
+def _expert_counts(gf: GGUFFile, arch: str, count) -> tuple[int, int]:
+    """(expert_count, expert_used_count): (0, 0) for a dense model; an MoE arch without
+    experts, or more used than there are, is a ModelFormatError."""
+    n = count("expert_count", 0, high=1 << 12) if gf.has(f"{arch}.expert_count") else 0
+    if not n:
+        if ARCHS[arch].get("moe"):
+            raise ModelFormatError(f"{gf.path.name}: {arch} needs {arch}.expert_count > 0")
+        return 0, 0
+    used = count("expert_used_count", high=n)
+    return n, used
 
 
 def rope_freq_scale(gf: GGUFFile, arch: str) -> float:
@@ -181,17 +218,41 @@ def _fused(gf: GGUFFile, names: list[str], matmul: str) -> QuantWeight | list[Qu
 
 
 class _Layer:
-    def __init__(self, gf: GGUFFile, cfg: LlamaConfig, i: int, matmul: str):
+    def __init__(self, gf: GGUFFile, cfg: LlamaConfig, i: int, matmul: str, store=None):
         p = f"blk.{i}."
         self.attn_norm = gf.tensor_f32(p + "attn_norm.weight")
         self.ffn_norm = gf.tensor_f32(p + "ffn_norm.weight")
+        self.q_norm = gf.tensor_f32(p + "attn_q_norm.weight") if cfg.qk_norm else None
+        self.k_norm = gf.tensor_f32(p + "attn_k_norm.weight") if cfg.qk_norm else None
         self.wqkv = _fused(gf, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"],
                            matmul)
         self.bqkv = (np.concatenate([gf.tensor_f32(p + f"attn_{x}.bias") for x in "qkv"])
                      if cfg.qkv_bias else None)
         self.wo = _weight(gf, p + "attn_output.weight", matmul)
-        self.w_gate_up = _fused(gf, [p + "ffn_gate.weight", p + "ffn_up.weight"], matmul)
-        self.w_down = _weight(gf, p + "ffn_down.weight", matmul)
+        self.ffn = _moe(gf, cfg, i, matmul, store) if cfg.n_experts else _dense(gf, p, matmul)
+
+
+def _dense(gf: GGUFFile, p: str, matmul: str, kind: str = "") -> DenseFfn:
+    """The SwiGLU block of tensors ffn_{gate,up,down}{kind} (kind "_shexp": a shared expert)."""
+    gu = _fused(gf, [p + f"ffn_gate{kind}.weight", p + f"ffn_up{kind}.weight"], matmul)
+    down = _weight(gf, p + f"ffn_down{kind}.weight", matmul)
+    return DenseFfn(gu, down, down.shape[1], _matmul)  # hidden_dim: down's columns
+
+
+def _moe(gf: GGUFFile, cfg: LlamaConfig, i: int, matmul: str, store) -> MoeFfn:
+    p = f"blk.{i}."
+    router = _weight(gf, p + "ffn_gate_inp.weight", "float")
+    if router.shape != (cfg.n_experts, cfg.dim):
+        raise ModelFormatError(f"{p}ffn_gate_inp.weight is {router.shape}, expected "
+                               f"({cfg.n_experts}, {cfg.dim})")
+    shared = shared_gate = None
+    if p + "ffn_gate_inp_shexp.weight" in gf.tensors:  # qwen2moe's gated shared expert
+        shared = _dense(gf, p, matmul, "_shexp")
+        g = gf.tensor_f32(p + "ffn_gate_inp_shexp.weight")
+        shared_gate = QuantWeight.from_raw(p + "ffn_gate_inp_shexp", QType.F32,
+                                           g.reshape(1, -1), (1, cfg.dim))
+    return MoeFfn(i, router, cfg.n_experts_used, NORM_TOPK[cfg.arch], store, shared,
+                  shared_gate)
 
 
 def _matmul(w, x: np.ndarray) -> np.ndarray:
@@ -220,32 +281,60 @@ class LlamaWeights:
     embedding and output head stay float: an int8 head cost argmax agreement with HF (96.9%
     against 97.2% over 900 positions, measured), and prefill runs the head on one row only."""
 
-    def __init__(self, gf: GGUFFile, cfg: LlamaConfig, matmul: str = "float"):
+    def __init__(self, gf: GGUFFile, cfg: LlamaConfig, matmul: str = "float", store=None):
         self.embed, self.output, self.output_norm = embed_and_head(gf, cfg)
-        self.layers = [_Layer(gf, cfg, i, matmul) for i in range(cfg.n_layers)]
+        self.layers = [_Layer(gf, cfg, i, matmul, store) for i in range(cfg.n_layers)]
+        link_layers([lay.ffn for lay in self.layers])
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the resident weights; routed experts are the expert store's (pool_bytes)."""
         ws = [self.embed, self.output]
         for lay in self.layers:
-            for w in (lay.wqkv, lay.wo, lay.w_gate_up, lay.w_down):
+            for w in (lay.wqkv, lay.wo):
                 ws.extend(w if isinstance(w, list) else [w])
+            ffn = lay.ffn
+            if isinstance(ffn, MoeFfn):
+                ws.append(ffn.router)
+                ffn = ffn.shared
+            ws.extend(ffn.weights() if ffn is not None else [])
         return sum(w.nbytes for w in {id(w): w for w in ws}.values())
 
 
 class LlamaModel:
     """Config + weights + the forward pass. K/V state is passed in (a `Session`)."""
 
-    def __init__(self, gf: GGUFFile, *, matmul: str = "float"):
+    def __init__(self, gf: GGUFFile, *, matmul: str = "float", expert_budget: int | None = None,
+                 expert_policy: str = "lru", routing_profile: dict | None = None):
         self.config = LlamaConfig.from_gguf(gf)
         self.matmul = check_arithmetic(matmul)
-        self.weights = LlamaWeights(gf, self.config, matmul)
+        self._gf = gf
+        self.experts = build_store(gf, self.config, matmul, expert_budget, expert_policy,
+                                   routing_profile)
+        self.weights = LlamaWeights(gf, self.config, matmul, self.experts)
         c = self.config
         self.rope_freqs = rope_freqs(c.rope_dims, theta=c.rope_theta,
                                      freq_scale=c.rope_freq_scale,
                                      freq_factors=rope_freq_factors(gf, c))
         # per-head K/V projections for exact recomputation (a copy of the K/V rows only)
         self.kv_weights = [kv_head_weights(gf, c, i, matmul) for i in range(c.n_layers)]
+
+    def set_experts(self, budget=None, policy: str = "lru", profile: dict | None = None):
+        """Replace the expert store (a new budget or policy) without reloading the model; the
+        old pool is released. budget as load_model's expert_budget. -> the new ExpertStore."""
+        if not self.config.n_experts:
+            raise ConfigError("expert_budget", f"this {self.config.arch} model has no experts")
+        budget = parse_expert_budget(budget)
+        if self.experts is not None:
+            self.experts.source.close()
+        self.experts = None  # drop the old pool before the new one is allocated
+        for lay in self.weights.layers:
+            lay.ffn.store = None
+        store = build_store(self._gf, self.config, self.matmul, budget, policy, profile)
+        for lay in self.weights.layers:
+            lay.ffn.store = store
+        self.experts = store
+        return store
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """ids (T,) -> (T, dim) float32 rows of the embedding table."""
@@ -270,6 +359,13 @@ class LlamaModel:
         q = qkv[:, :nq].reshape(T, c.n_heads, hd)
         k = qkv[:, nq:nq + nkv].reshape(T, c.n_kv_heads, hd)
         v = np.ascontiguousarray(qkv[:, nq + nkv:].reshape(T, c.n_kv_heads, hd))
+        if c.qk_norm == "full":  # olmoe: over the whole projection
+            q = rms_norm(np.ascontiguousarray(q.reshape(T, nq)), lay.q_norm, c.norm_eps)
+            k = rms_norm(np.ascontiguousarray(k.reshape(T, nkv)), lay.k_norm, c.norm_eps)
+            q, k = q.reshape(T, c.n_heads, hd), k.reshape(T, c.n_kv_heads, hd)
+        elif c.qk_norm == "head":  # qwen3moe: each head on its own
+            q = rms_norm_per_head(np.ascontiguousarray(q), lay.q_norm, c.norm_eps)
+            k = rms_norm_per_head(np.ascontiguousarray(k), lay.k_norm, c.norm_eps)
         cos, sin = rope
         q = rotate(np.ascontiguousarray(q), cos, sin, mode=c.rope_mode)
         k = rotate(np.ascontiguousarray(k), cos, sin, mode=c.rope_mode)
@@ -279,6 +375,9 @@ class LlamaModel:
         """K, V rows (n, hd) of one K/V head from layer inputs x (n, dim), as `qkv` computes
         them: RMSNorm, that head's K/V weight rows (+ bias), RoPE (a recompute replay)."""
         c = self.config
+        if c.qk_norm:  # the norm needs the whole projection (olmoe) or is simplest replayed so
+            _, k, v = self.qkv(layer, x, self.rope(positions))
+            return k[:, head], np.ascontiguousarray(v[:, head])
         h = rms_norm(x, self.weights.layers[layer].attn_norm, c.norm_eps)
         w, b = self.kv_weights[layer][head]
         kv = _matmul(w, h)
@@ -299,6 +398,8 @@ class LlamaModel:
         c, w = self.config, self.weights
         T = ids.shape[0]
         pos0 = session.n_tokens
+        if self.experts is not None:
+            self.experts.begin_step()
         positions = np.arange(pos0, pos0 + T, dtype=np.int64)
         x = self.embed(ids)
         rope = self.rope(positions)
@@ -307,9 +408,8 @@ class LlamaModel:
             session.store_kv(i, pos0, x, k, v)
             q = q.reshape(T, c.n_kv_heads, c.group, c.head_dim)
             attn = session.attend(i, q, pos0 + T)
-            x = x + lay.wo.matmul(attn.reshape(T, c.dim))           # h = x + attention(norm(x))
-            gu = _matmul(lay.w_gate_up, rms_norm(x, lay.ffn_norm, c.norm_eps))
-            x = x + lay.w_down.matmul(swiglu(gu[:, :c.hidden_dim], gu[:, c.hidden_dim:]))
+            x = x + lay.wo.matmul(attn.reshape(T, -1))              # h = x + attention(norm(x))
+            x = x + lay.ffn(rms_norm(x, lay.ffn_norm, c.norm_eps))  # x = h + ffn(norm(h))
         session.advance(ids)
         if not output:
             return None
@@ -350,11 +450,13 @@ class LlamaModel:
         rows = Rows(items, live)
         if not live:
             return results
+        if self.experts is not None:
+            self.experts.begin_step()
         x = self.embed(np.concatenate([items[j].ids for j in live]))
         cos, sin = self.rope(rows.positions())
         for i, lay in enumerate(w.layers):
             q, k, v = self.qkv(i, x, (cos, sin))
-            attn, failed = np.empty((x.shape[0], c.dim), dtype=np.float32), []
+            attn, failed = np.empty((x.shape[0], c.n_heads * c.head_dim), dtype=np.float32), []
             for j, r in zip(rows.live, rows.spans, strict=True):  # per sequence: own K/V
                 try:
                     attn[r] = self._attend_item(items[j].session, i, rows.pos0[j],
@@ -368,8 +470,7 @@ class LlamaModel:
                 if not rows.live:
                     return results
             x = x + lay.wo.matmul(attn)                               # h = x + attention(norm(x))
-            gu = _matmul(lay.w_gate_up, rms_norm(x, lay.ffn_norm, c.norm_eps))
-            x = x + lay.w_down.matmul(swiglu(gu[:, :c.hidden_dim], gu[:, c.hidden_dim:]))
+            x = x + lay.ffn(rms_norm(x, lay.ffn_norm, c.norm_eps))    # x = h + ffn(norm(h))
         for j in list(rows.live):
             try:
                 items[j].session.advance(items[j].ids)
@@ -392,7 +493,7 @@ class LlamaModel:
         c, T = self.config, x.shape[0]
         session.store_kv(layer, pos0, x, k, v)
         q = q.reshape(T, c.n_kv_heads, c.group, c.head_dim)
-        return session.attend(layer, q, pos0 + T).reshape(T, c.dim)
+        return session.attend(layer, q, pos0 + T).reshape(T, -1)
 
     def _batch_outputs(self, items, rows: Rows, x: np.ndarray, results: list) -> list:
         """Output head over the wanted rows of every item still without a result."""
@@ -412,3 +513,4 @@ class LlamaModel:
                 b += len(r)
             a += len(r)
         return results
+

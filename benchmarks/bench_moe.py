@@ -1,0 +1,207 @@
+"""MoE decode and prefill speed against the expert budget, warm and cold page cache.
+
+    PYTHONPATH=src python benchmarks/bench_moe.py [--layers 16 --experts 32 --dim 512
+        --ff 1408 --top-k 4 --qtype Q4_0] [--quick] [--json rows.json] [--plot moe.png]
+
+Writes a qwen3moe GGUF of a realistic shape into a temporary folder (expert matrices drawn
+directly as random Q4_0/Q8_0 blocks; attention, router and embedding from tiny_moe). The
+router is skewed: every embedding row shares one direction v and router rows lean towards
+or away from it (tiny_moe `skew`), so tokens concentrate on some experts; the table prints
+the measured skew (share of picks taken by the most-chosen quarter of experts).
+
+Per budget (100% = every expert resident, 50%, 25%, min = one layer's top-k), a prompt is
+prefilled and tokens decoded greedily; the decode's logits must equal the all-resident run's
+bitwise (column "exact"). warm: the same run a second time (pool and page cache warm); cold:
+a fresh pool and the file dropped from the page cache (madvise + posix_fadvise DONTNEED; the
+resident fraction before the run is printed). Bytes read per decoded token are the store's
+counter over the decode steps; "load MB/s" is bytes read over the seconds spent loading
+experts (read + repack + copy into the slot), next to a plain sequential read of the file.
+Timings on a shared machine are approximate: compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cfr_atlas.engine import load_model  # noqa: E402
+from cfr_atlas.generate import prefill  # noqa: E402
+from cfr_atlas.testing.tiny_moe import write_tiny_moe  # noqa: E402
+from page_cache import drop_file_cache, resident_fraction, sequential_read  # noqa: E402
+
+TEXT = ("The capital of France is Paris, and the capital of Italy is Rome. Once upon a time a "
+        "small model routed every token to a few of its experts, and the experts answered. ")
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--ff", type=int, default=1408)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--qtype", default="Q4_0", choices=["Q4_0", "Q8_0"])
+    p.add_argument("--skew", type=float, default=4.0)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--budgets", default="100%,50%,25%,min")
+    p.add_argument("--policy", default="lru", choices=["lru", "frequency"])
+    p.add_argument("--quick", action="store_true", help="a tiny model, a few tokens (tests)")
+    p.add_argument("--dir", default=None, help="folder for the model file (default: a temp one)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.layers, a.experts, a.dim, a.ff, a.top_k = 2, 8, 64, 128, 2
+        a.prompt_tokens, a.decode_tokens = 12, 4
+    return a
+
+
+def _write(a, folder: Path) -> Path:
+    return write_tiny_moe(folder / f"bench-moe-{a.qtype}.gguf", arch="qwen3moe", qtype=a.qtype,
+                          n_layers=a.layers, dim=a.dim, n_heads=max(a.dim // 64, 2),
+                          n_kv_heads=max(a.dim // 128, 1), head_dim=min(64, a.dim // 2), ff=a.ff,
+                          n_experts=a.experts, n_used=a.top_k, skew=a.skew,
+                          random_expert_blocks=True)
+
+
+def _drop_cache(model, path: Path) -> float | None:
+    """Unmap-advise our own mapping and drop the file's cached pages; -> resident fraction."""
+    data = model.net._gf.reader.data
+    mm = getattr(data, "_mmap", None)
+    if isinstance(mm, mmap.mmap):
+        mm.madvise(mmap.MADV_DONTNEED)
+    drop_file_cache(path)
+    return resident_fraction(path)
+
+
+class _LoadTimer:
+    """Wraps the store's source.build: seconds spent loading experts (the bench's own clock;
+    the store keeps no timing)."""
+
+    def __init__(self, store):
+        self.seconds, build = 0.0, store.source.build
+
+        def timed(layer, e):
+            t0 = time.perf_counter()
+            try:
+                return build(layer, e)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        store.source.build = timed
+
+
+def _run(model, ids, n_decode: int) -> dict:
+    """Prefill ids, decode greedily; seconds, expert bytes read, decode logits digest."""
+    net, store = model.net, model.net.experts
+    t = store.telemetry
+    s = model.session(context_limit=len(ids) + n_decode)
+    try:
+        t0 = time.perf_counter()
+        logits = prefill(net, s, np.asarray(ids, dtype=np.int64))[0]
+        t1, read0 = time.perf_counter(), t.bytes_read
+        rows = [logits]
+        for _ in range(n_decode):
+            tok = np.array([int(np.argmax(rows[-1]))], dtype=np.int64)
+            rows.append(net.forward_chunk(s, tok, all_logits=False)[0])
+        t2 = time.perf_counter()
+    finally:
+        s.close()
+    return {"prefill_tok_s": len(ids) / (t1 - t0), "decode_tok_s": n_decode / (t2 - t1),
+            "decode_bytes_read_per_token": (t.bytes_read - read0) / n_decode,
+            "digest": np.stack(rows).tobytes()}
+
+
+def _budget(spec: str, model) -> tuple[str, object]:
+    store = model.net.experts
+    if spec == "min":
+        return f"min ({model.config.n_experts_used} slots)", \
+            model.config.n_experts_used * store.slot_bytes
+    return spec, (None if spec == "100%" else spec)
+
+
+def _row(model, path, ids, a, name, budget, cache: str, base: bytes) -> dict:
+    store = model.net.set_experts(budget, a.policy)
+    timer = _LoadTimer(store)
+    resident = None
+    if cache == "warm":
+        _run(model, ids, a.decode_tokens)
+    else:
+        resident = _drop_cache(model, path)
+    timer.seconds, read0 = 0.0, store.telemetry.bytes_read
+    r = _run(model, ids, a.decode_tokens)
+    read = store.telemetry.bytes_read - read0
+    return {"budget": name, "cache": cache, "pool_bytes": store.pool.nbytes,
+            "prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"],
+            "decode_read_per_token": r["decode_bytes_read_per_token"],
+            "load_mb_s": read / timer.seconds / 1e6 if timer.seconds else None,
+            "resident_before": resident, "exact": r["digest"] == base}
+
+
+def _table(rows, seq, skew) -> str:
+    out = [f"sequential read of the file: {seq['gb_per_s'] * 1e3:.0f} MB/s; routing skew (top "
+           f"quarter's share of picks) per layer: {', '.join(f'{s:.2f}' for s in skew)}", "",
+           "| budget | cache | pool MiB | prefill tok/s | decode tok/s | vs 100% | read/token "
+           "MB | load MB/s | exact |", "|---|---|---|---|---|---|---|---|---|"]
+    full = next(r["decode_tok_s"] for r in rows if r["budget"] == "100%" and r["cache"] == "warm")
+    for r in rows:
+        load = "-" if r["load_mb_s"] is None else f"{r['load_mb_s']:.0f}"
+        out.append(f"| {r['budget']} | {r['cache']} | {r['pool_bytes'] / 2**20:.1f} | "
+                   f"{r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f} | "
+                   f"{r['decode_tok_s'] / full:.2f}x | {r['decode_read_per_token'] / 1e6:.2f} | "
+                   f"{load} | {'yes' if r['exact'] else 'NO'} |")
+    return "\n".join(out)
+
+
+def _plot(rows, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for cache in ("warm", "cold"):
+        sel = [r for r in rows if r["cache"] == cache]
+        ax.plot([r["budget"] for r in sel], [r["decode_tok_s"] for r in sel], "o-", label=cache)
+    ax.set_xlabel("expert budget")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("MoE decode vs expert budget (page cache warm / cold)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
+    with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
+        path = _write(a, Path(tmp))
+        seq = sequential_read(path)
+        model = load_model(path)
+        ids = model.tokenize(TEXT * (1 + a.prompt_tokens // 20))[:a.prompt_tokens]
+        base = _run(model, ids, a.decode_tokens)["digest"]
+        skew = [r["skew"] for r in model.experts.telemetry.routing_report()]
+        rows = []
+        for spec in a.budgets.split(","):
+            name, budget = _budget(spec, model)
+            for cache in ("warm", "cold"):
+                rows.append(_row(model, path, ids, a, name, budget, cache, base))
+        del model
+    print(_table(rows, seq, skew))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    if a.plot:
+        _plot(rows, a.plot)
+    return 0 if all(r["exact"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""`ExpertSource`: where routed-expert weights come from — the memory-mapped GGUF.
+
+An expert's gate, up and down matrices are the e-th (rows, row_bytes) slab of the 3-D tensors
+ffn_{gate,up,down}_exps (GGUF ne = [cols, rows, n_experts]): one contiguous byte range each.
+`build` repacks one expert into QuantWeights (gate|up fused when they share a format, as the
+dense FFN is); `check` refuses, at load, a format with no kernel (UnsupportedQuantError).
+This module reads arrays it is handed; it does not open files or know tensor names.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from cfr_atlas.errors import DimensionError, ModelFormatError, UnsupportedQuantError
+from cfr_atlas.quant import QuantWeight
+from cfr_atlas.quant.formats import qtype_from_gguf
+from cfr_atlas.quant.weight import ARITHMETIC
+
+
+@dataclass(frozen=True)
+class ExpertMatrix:
+    """One 3-D expert tensor: `data` (n_experts, rows, row_bytes or cols) as mapped."""
+
+    name: str
+    ggml_type: object  # a gguf.GGMLQuantizationType
+    data: np.ndarray
+    rows: int
+    cols: int
+    offset: int = -1  # file offset of expert 0's bytes (-1: unknown, no read-ahead)
+
+    def raw(self, e: int) -> np.ndarray:
+        return self.data[e]
+
+    def byte_range(self, e: int) -> tuple[int, int]:
+        """(file offset, length) of expert e's bytes."""
+        n = self.data[0].nbytes
+        return self.offset + e * n, n
+
+
+class ExpertSource:
+    """Per layer (gate, up, down) ExpertMatrix; experts of a layer share shapes and formats."""
+
+    def __init__(self, layers: list[tuple[ExpertMatrix, ExpertMatrix, ExpertMatrix]],
+                 arithmetic: str = "float", path: str | os.PathLike | None = None):
+        self.layers, self.arithmetic, self.path = layers, arithmetic, path
+        self._fd: int | None = None
+        self.n_experts = int(layers[0][0].data.shape[0]) if layers else 0
+        for gate, up, down in layers:
+            for m in (gate, up, down):
+                self.check(m)
+            if gate.ggml_type != up.ggml_type:
+                raise ModelFormatError(f"{gate.name} is {gate.ggml_type.name} but {up.name} is "
+                                       f"{up.ggml_type.name}: expert gate and up must share a "
+                                       "format (they run as one fused matrix)")
+
+    def check(self, m: ExpertMatrix) -> None:
+        """A missing kernel is an error now, at load, not at the first routed token."""
+        q = qtype_from_gguf(m.ggml_type, m.name)
+        if q not in ARITHMETIC[self.arithmetic]:
+            raise UnsupportedQuantError(q.name, m.name)
+        if m.data.shape[0] != self.n_experts:
+            raise DimensionError(f"{m.name}: {m.data.shape[0]} experts, layer 0 has "
+                                 f"{self.n_experts}")
+
+    def advise(self, layer: int, e: int) -> None:
+        """Ask the kernel to read expert e's ranges into the page cache ahead of use
+        (posix_fadvise WILLNEED: the reads run in the kernel, overlapping our compute, with no
+        thread of ours and no GIL). A no-op without a file path or offsets."""
+        if self.path is None or not hasattr(os, "posix_fadvise"):
+            return
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        for m in self.layers[layer]:
+            if m.offset >= 0:
+                os.posix_fadvise(self._fd, *m.byte_range(e), os.POSIX_FADV_WILLNEED)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def raw_bytes(self, layer: int) -> int:
+        """File bytes one expert of `layer` occupies (gate + up + down)."""
+        return sum(m.raw(0).nbytes for m in self.layers[layer])
+
+    def build(self, layer: int, e: int) -> tuple[QuantWeight, QuantWeight]:
+        """Expert e of `layer` -> (gate|up (2 ff, dim), down (dim, ff)), freshly repacked."""
+        gate, up, down = self.layers[layer]
+        name = f"blk.{layer}.expert{e}"
+        raw = np.concatenate([_rows(gate.raw(e), gate.rows), _rows(up.raw(e), up.rows)])
+        gu = QuantWeight.from_gguf(name + ".gate_up", gate.ggml_type, raw,
+                                   (gate.rows + up.rows, gate.cols), arithmetic=self.arithmetic)
+        dn = QuantWeight.from_gguf(name + ".down", down.ggml_type, down.raw(e),
+                                   (down.rows, down.cols), arithmetic=self.arithmetic)
+        return gu, dn
+
+
+def _rows(a: np.ndarray, rows: int) -> np.ndarray:
+    return np.asarray(a).reshape(rows, -1)

@@ -1,0 +1,186 @@
+"""Expert residency: any expert budget gives bitwise the logits of the all-resident run.
+
+Budgets from one slot (experts processed in turns) through one layer's top-k to all, for each
+eviction policy, chunked prefill, batched rows and decode (np.array_equal, and the decode's
+logits fingerprint). Also what the store counts and allocates, its plan checks, and the
+load-time refusals (host memory, formats without a kernel, budgets holding no expert).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from cfr_atlas.engine import load_model
+from cfr_atlas.errors import CapacityError, ConfigError, HostMemoryError, UnsupportedQuantError
+from cfr_atlas.experts import ExpertMatrix, ExpertSource, FrequencyPolicy, LruPolicy, PinnedPolicy
+from cfr_atlas.experts.store import Turn
+
+IDS = [5, 77, 300, 12, 40, 1000, 2000, 31, 9, 44, 4, 900, 17, 23]
+POLICIES = ("lru", "frequency", "pinned")
+
+
+@lru_cache(maxsize=4)
+def _model(path):
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def model(moe_file):
+    """qwen2moe (shared expert too): 2 layers, 8 experts, top-2."""
+    return _model(moe_file("qwen2moe"))
+
+
+@pytest.fixture(scope="module")
+def base(model):
+    """All-resident results: chunked prefill logits, and a greedy decode's fingerprint."""
+    model.net.set_experts(None)
+    logits = model.logits(IDS, chunk_tokens=5)
+    model.generate(IDS, max_tokens=6)
+    return logits, model.last_telemetry["logits_sha256"]
+
+
+def _budgets(store, k: int) -> list[int]:
+    s = store.slot_bytes
+    return [s, k * s, store.full_bytes // 2]  # 1 slot (turns), one layer's top-k, half
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_logits_under_every_budget_equal_all_resident(model, base, policy):
+    logits, fingerprint = base
+    k, store = model.config.n_experts_used, model.net.experts
+    for budget in _budgets(store, k):
+        profile = {(0, 1): 9, (1, 3): 5}
+        new = model.net.set_experts(budget, policy, profile)
+        assert new.pool.nbytes <= budget
+        assert np.array_equal(model.logits(IDS, chunk_tokens=5), logits), (policy, budget)
+        model.generate(IDS, max_tokens=6)
+        assert model.last_telemetry["logits_sha256"] == fingerprint, (policy, budget)
+        assert model.last_telemetry["expert_misses"] > 0
+    model.net.set_experts(None)
+
+
+def test_one_slot_runs_in_turns_and_batches_match(model, base):
+    store = model.net.set_experts(model.net.experts.slot_bytes)
+    assert store.n_slots == 1
+    assert np.array_equal(model.logits(IDS, chunk_tokens=1), base[0])
+    assert store.telemetry.extra_turns > 0
+    model.net.set_experts(None)
+
+
+def test_batched_sequences_under_a_budget_equal_each_alone(model):
+    """forward_batch (the server's step) runs two sequences' rows through one expert pass."""
+    from cfr_atlas.models.batch import BatchItem
+
+    a, b = np.array(IDS[:9], dtype=np.int64), np.array(IDS[4:], dtype=np.int64)
+    alone = [model.logits(a)[-1], model.logits(b)[-1]]
+    model.net.set_experts(3 * model.net.experts.slot_bytes, "frequency")
+    sessions = [model.session(context_limit=16) for _ in range(2)]
+    got = model.net.forward_batch([BatchItem(sessions[0], a), BatchItem(sessions[1], b)])
+    for s in sessions:
+        s.close()
+    assert np.array_equal(got[0][0], alone[0]) and np.array_equal(got[1][0], alone[1])
+    model.net.set_experts(None)
+
+
+def test_pool_is_the_only_expert_memory_and_within_budget(model):
+    store = model.net.set_experts("50%")
+    model.logits(IDS)
+    assert store.pool.nbytes == store.n_slots * store.slot_bytes <= store.full_bytes // 2
+    for w in (w for ws in store.weights if ws for w in ws):
+        for a in w.tiles:
+            if isinstance(a, np.ndarray):
+                assert np.shares_memory(a, store.pool)  # slot views, no private copies
+    t = store.telemetry
+    assert t.peak_resident_bytes <= t.pool_bytes
+    model.net.set_experts(None)
+
+
+def test_telemetry_counts_and_a_warm_stable_step_moves_nothing(model):
+    c = model.config
+    store = model.net.set_experts(c.n_experts_used * c.n_layers * model.net.experts.slot_bytes)
+    model.logits([5])  # one token: k experts per layer, all fit
+    t = store.telemetry
+    assert t.misses == c.n_experts_used * c.n_layers and t.hits == 0
+    assert t.bytes_read == t.misses * store.source.raw_bytes(0)
+    assert t.last_step_bytes_moved == t.misses * store.slot_bytes > 0
+    model.logits([5])  # same routing, warm: every expert a hit
+    assert t.last_step_bytes_moved == 0 and t.last_step_misses == 0
+    assert t.hits == c.n_experts_used * c.n_layers
+    report = t.routing_report()
+    assert [sum(r["counts"]) for r in report] == [2 * c.n_experts_used] * c.n_layers
+    assert all(0 < r["skew"] <= 1 for r in report)
+    assert model.last_telemetry["expert_hits"] == t.hits
+    model.net.set_experts(None)
+
+
+def test_plan_is_validated_before_any_slot_is_written(model):
+    store = model.net.set_experts(3 * model.net.experts.slot_bytes)
+    before = list(store.key_of)
+    bad = [Turn([0, 1], [((0, 0), 0), ((0, 1), 0)])]  # two loads into one slot
+    with pytest.raises(CapacityError, match="refused"):
+        store.validate(0, bad)
+    with pytest.raises(CapacityError, match="refused"):
+        store.validate(0, [Turn([99], [((0, 99), 1)])])  # no such expert
+    with pytest.raises(CapacityError):
+        list(store.experts(5, [0]))  # no such layer
+    assert store.key_of == before
+    model.net.set_experts(None)
+
+
+def test_policies_rank_victims():
+    lru, freq = LruPolicy(), FrequencyPolicy()
+    for key in [(0, 1), (0, 2), (0, 1), (0, 3)]:
+        lru.touch(key)
+        freq.touch(key)
+    assert lru.rank([(0, 1), (0, 2), (0, 3)])[0] == (0, 2)
+    assert freq.rank([(0, 1), (0, 2), (0, 3)])[-1] == (0, 1)  # used twice: kept longest
+    pin = PinnedPolicy({(0, 2): 10, (0, 3): 1}, n_pinned=1)
+    for key in [(0, 2), (0, 1)]:
+        pin.touch(key)
+    assert pin.rank([(0, 1), (0, 2)]) == [(0, 1), (0, 2)]  # pinned (0, 2) goes last
+
+
+def test_budget_below_one_expert_is_refused(model):
+    with pytest.raises(ConfigError, match="smallest budget"):
+        model.net.set_experts(1000)
+    model.net.set_experts(None)
+
+
+def test_host_memory_is_checked_before_loading(moe_file, monkeypatch):
+    import psutil
+
+    class Tiny:
+        available = 1 << 20
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Tiny())
+    with pytest.raises(HostMemoryError, match="expert_budget"):
+        load_model(moe_file("qwen2moe"), expert_budget="50%")
+
+
+def test_expert_format_without_kernel_is_refused_at_load():
+    data = np.zeros((4, 8, 66), dtype=np.uint8)
+    mat = ExpertMatrix("blk.0.ffn_gate_exps.weight", GGMLQuantizationType.IQ2_XXS, data, 8, 256)
+    with pytest.raises(UnsupportedQuantError, match="IQ2_XXS"):
+        ExpertSource([(mat, mat, mat)])
+
+
+def test_read_ahead_of_predicted_experts_is_counted_and_changes_nothing(model, base):
+    k = model.config.n_experts_used
+    store = model.net.set_experts(k * model.net.experts.slot_bytes)
+    assert np.array_equal(model.logits(IDS, chunk_tokens=5), base[0])
+    t = store.telemetry
+    assert t.prefetched > 0  # layer 0 predicts layer 1's experts, which are not resident
+    assert 0 < t.prefetch_used <= t.prefetched  # and some of those are then loaded
+    model.net.set_experts(None)
+    assert model.net.experts.telemetry.prefetched == 0 or not model.net.experts.bounded
+
+
+def test_int8_arithmetic_under_a_budget_equals_its_all_resident_run(moe_file):
+    model = load_model(moe_file("qwen2moe"), matmul="int8")
+    base = model.logits(IDS)
+    model.net.set_experts(model.net.experts.slot_bytes, "frequency")  # one slot: turns
+    assert np.array_equal(model.logits(IDS, chunk_tokens=3), base)

@@ -1,0 +1,26 @@
+"""`cfr-atlas generate --expert-budget` on a tiny MoE file: same text as all-resident, the
+expert counters on stderr, and a budget holding no expert refused with exit code 2."""
+
+from cfr_atlas import cli
+
+
+def _generate(capsys, path, *extra):
+    code = cli.main(["generate", "--model", str(path), "--max-tokens", "4", "--raw", *extra,
+                     "The capital of France is"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_with_expert_budget_prints_same_text_and_counters(capsys, moe_file):
+    path = moe_file("qwen3moe")
+    code, full, _ = _generate(capsys, path)
+    assert code == 0
+    code, budgeted, err = _generate(capsys, path, "--expert-budget", "25%",
+                                    "--expert-policy", "frequency")
+    assert code == 0 and budgeted == full
+    assert "expert hits" in err and "misses" in err
+
+
+def test_expert_budget_below_one_expert_exits_2(capsys, moe_file):
+    code, _, err = _generate(capsys, moe_file("qwen3moe"), "--expert-budget", "1KiB")
+    assert code == 2 and "expert_budget" in err and "smallest budget" in err

@@ -1,0 +1,28 @@
+"""benchmarks/bench_moe.py stays runnable: --quick writes a tiny skewed MoE file, runs every
+budget warm and cold, prints the table and exits 0 only if every row is bitwise exact."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_moe.py"
+
+
+def test_quick_run_prints_table_and_every_row_is_exact(tmp_path, capsys):
+    sys.path.insert(0, str(BENCH.parent))
+    spec = importlib.util.spec_from_file_location("bench_moe", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out_json = tmp_path / "rows.json"
+    assert bench.main(["--quick", "--json", str(out_json), "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out_json.read_text())
+    assert [(r["budget"], r["cache"]) for r in rows][:3] == [("100%", "warm"), ("100%", "cold"),
+                                                              ("50%", "warm")]
+    assert all(r["exact"] for r in rows) and "| NO |" not in out
+    full = rows[0]["pool_bytes"]
+    assert all(r["pool_bytes"] <= full // 2 for r in rows[2:])
+    assert rows[-1]["decode_read_per_token"] > 0  # the smallest pool reads while decoding
