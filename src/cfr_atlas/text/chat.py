@@ -120,12 +120,13 @@ class _Escapes:
         return s
 
     def value(self, v):
-        """`v` with every string inside it escaped (dicts and lists walked: tool calls and
-        tool definitions carry client text too)."""
+        """`v` with every string inside it escaped, dict keys included (dicts and lists walked:
+        tool calls and tool definitions carry client text too, and templates print them whole
+        with `tojson`, keys and all)."""
         if isinstance(v, str):
             return self.escape(v)
         if isinstance(v, Mapping):
-            return {k: self.value(x) for k, x in v.items()}
+            return {self.value(k): self.value(x) for k, x in v.items()}
         if isinstance(v, list | tuple):
             return [self.value(x) for x in v]
         return v
