@@ -487,9 +487,21 @@ _DURATION = re.compile(r"^(-?)((?:\d+(?:\.\d*)?(?:ns|us|µs|ms|s|m|h))+)$")
 DEFAULT_KEEP_ALIVE = 300.0  # seconds (Ollama's 5m)
 
 
+KEEP_ALIVE_FOREVER = 10 * 365 * 86400.0  # seconds; longer is forever (-1), as an expiry
+# date that far out overflows what /api/ps can print
+
+
 def keep_alive(body: Mapping) -> float | None:
     """Ollama `keep_alive`: seconds (a number) or a Go duration ("5m", "1h30m", "-1s");
-    None when absent (the default applies). Negative: forever; 0: unload now."""
+    None when absent (the default applies). Negative, non-finite or over ten years: forever
+    (-1); 0: unload now."""
+    seconds = _keep_alive_seconds(body)
+    if seconds is not None and (seconds < 0 or not seconds <= KEEP_ALIVE_FOREVER):
+        return -1.0
+    return seconds
+
+
+def _keep_alive_seconds(body: Mapping) -> float | None:
     value = body.get("keep_alive")
     if value is None:
         return None
