@@ -250,6 +250,8 @@ def test_bad_settings_are_config_errors():
         RedisKvStore("http://user:s3cret@host:6379/0")
     assert "s3cret" not in str(e.value) and "user:***@host" in str(e.value)
     assert shown_url("redis://:pw@h:1/0") == "redis://:***@h:1/0"
+    assert shown_url("redis://h:1/0?password=pw&db=2") == "redis://h:1/0?password=***&db=2"
+    assert "pw" not in shown_url("redis://u:pw@h:1/0?PASSWORD=pw")
 
 
 def test_breaker_backs_off_exponentially_up_to_its_cap():

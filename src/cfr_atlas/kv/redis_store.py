@@ -39,7 +39,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, fields
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import numpy as np
 import redis
@@ -118,12 +118,17 @@ def connect(url: str, timeout: float = DEFAULT_TIMEOUT) -> redis.Redis:
 
 
 def shown_url(url: str) -> str:
-    """`url` with any password replaced by ***, for logs and errors."""
+    """`url` with any password replaced by ***, for logs and errors: the user-info one
+    (redis://:pw@host) and the `password` query parameter redis-py also reads."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    if parts.password is not None:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+        parts = parts._replace(netloc=netloc)
+    if parts.query:
+        query = [(k, "***" if k.lower() == "password" else v)
+                 for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+        parts = parts._replace(query=urlencode(query, safe="*"))
+    return urlunsplit(parts)
 
 
 class RedisKvStore:
