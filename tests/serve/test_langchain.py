@@ -71,6 +71,19 @@ def served(bundled_model_path, tmp_path_factory):
         proc.wait(30)
 
 
+def _json_mode_gives_objects(model) -> None:
+    """LangChain's own JSON-mode call (with_structured_output(method="json_mode")) and prompt,
+    invoked and streamed, asserted on what JSON mode promises: a JSON object. The suite's
+    version also wants the keys its prompt asks for, which constrained decoding does not
+    promise and SmolLM2-135M does not follow (docs/SERVING.md)."""
+    chat = model.with_structured_output(None, method="json_mode")
+    msg = ("Tell me a joke about cats. Return the result as a JSON with 'setup' and "
+           "'punchline' keys. Return nothing other than JSON.")
+    assert isinstance(chat.invoke(msg), dict)
+    chunks = list(chat.stream(msg))
+    assert chunks and isinstance(chunks[-1], dict)
+
+
 class TestChatOllama(ChatModelIntegrationTests):
     @property
     def chat_model_class(self):
@@ -93,10 +106,8 @@ class TestChatOllama(ChatModelIntegrationTests):
     def supports_json_mode(self) -> bool:
         return True
 
-    @pytest.mark.xfail(reason="json_mode guarantees a JSON object, not the keys the prompt "
-                              "asks for; SmolLM2-135M does not follow them", strict=False)
     def test_json_mode(self, model) -> None:
-        super().test_json_mode(model)
+        _json_mode_gives_objects(model)
 
 
 class TestChatOpenAI(ChatModelIntegrationTests):
@@ -122,10 +133,8 @@ class TestChatOpenAI(ChatModelIntegrationTests):
     def supports_json_mode(self) -> bool:
         return True
 
-    @pytest.mark.xfail(reason="json_mode guarantees a JSON object, not the keys the prompt "
-                              "asks for; SmolLM2-135M does not follow them", strict=False)
     def test_json_mode(self, model) -> None:
-        super().test_json_mode(model)
+        _json_mode_gives_objects(model)
 
 
     @pytest.mark.xfail(reason="langchain-openai turns a pydantic v1 schema into a function "

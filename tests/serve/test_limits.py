@@ -85,12 +85,17 @@ def test_known_ignored_fields_are_logged_once(server, caplog):
 
     params._warned.discard("mirostat")
     body = {"model": MODEL, "prompt": "x", "raw": True, "stream": False,
-            "options": {"num_predict": 1, "mirostat": 2}}
+            "options": {"num_predict": 1, "mirostat": 0, "num_thread": 8}}
     with caplog.at_level("WARNING", logger="cfr_atlas.serve"):
         for _ in range(2):
             assert httpx.post(server.url + "/api/generate", json=body).status_code == 200
     assert [r.getMessage() for r in caplog.records if "mirostat" in r.getMessage()] == [
         "ignoring the request field options.mirostat (no effect in cfr-atlas; logged once)"]
+    # a sampling option we do not implement, at a value that would change the output: 400
+    for key, value in (("mirostat", 2), ("typical_p", 0.5), ("presence_penalty", 0.3)):
+        body["options"] = {"num_predict": 1, key: value}
+        r = httpx.post(server.url + "/api/generate", json=body)
+        assert r.status_code == 400 and f"options.{key}" in r.json()["error"], r.text
     r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x",
                                                          "logit_bias": {"1": 5}})
     assert r.status_code == 400 and "logit_bias" in r.text

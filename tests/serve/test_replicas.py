@@ -130,6 +130,11 @@ def _block_keys(redis) -> set[bytes]:
         client.close()
 
 
+def _logits(response: dict) -> str:
+    """The SHA-256 of every sampled step's float32 logits (generate.py), from the final object."""
+    return response["cfr_atlas"]["logits_sha256"]
+
+
 def _intact(value: bytes) -> bool:
     """The .kvb checksum holds (block_format.py: SHA-256 of everything before the last 32)."""
     return hashlib.sha256(value[:-32]).digest() == value[-32:]
@@ -145,6 +150,7 @@ def test_a_prefix_prefilled_on_one_replica_is_cached_on_the_other_bitwise(replic
     warm = b.generate(text)
     assert warm["prompt_eval_cached_count"] == BLOCK
     assert warm["response"] == cold["response"] == first["response"]
+    assert _logits(warm) == _logits(cold) == _logits(first)  # every step's logits, bitwise
     m = b.metrics()
     assert m["hits_total"] >= 1 and m["read_bytes_total"] > 0 and m["errors_total"] == 0
 
@@ -161,6 +167,7 @@ def test_a_corrupted_block_is_deleted_recomputed_and_republished(replicas, redis
     written = _writes(b)
     again = b.generate(text)
     assert again["prompt_eval_cached_count"] == 0 and again["response"] == first["response"]
+    assert _logits(again) == _logits(first)
     assert b.metrics()["rejected_total:corrupt"] == 1
     b.wait_written(written + 1)
     assert client.get(key) == good                        # recomputed bitwise, stored again

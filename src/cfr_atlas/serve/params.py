@@ -140,13 +140,29 @@ log = logging.getLogger("cfr_atlas.serve")
 # the server log (docs/SERVING.md lists them). Anything else unknown is ignored silently.
 IGNORED_OLLAMA_OPTIONS = frozenset({
     "num_thread", "num_gpu", "main_gpu", "num_batch", "num_keep", "numa", "use_mmap",
-    "use_mlock", "low_vram", "vocab_only", "mirostat", "mirostat_eta", "mirostat_tau",
-    "typical_p", "tfs_z", "penalize_newline", "presence_penalty", "frequency_penalty"})
+    "use_mlock", "low_vram", "vocab_only", "penalize_newline"})
+# Sampling options we do not implement, with the value at which they change nothing (Ollama's
+# defaults): sent at that value they are accepted with a warning, any other value is a 400,
+# since ignoring it would change the output silently.
+UNSUPPORTED_OLLAMA_SAMPLING = {"mirostat": 0, "mirostat_eta": 0.1, "mirostat_tau": 5.0,
+                               "typical_p": 1.0, "tfs_z": 1.0, "presence_penalty": 0.0,
+                               "frequency_penalty": 0.0}
 IGNORED_OLLAMA = frozenset({"think", "shift"})
 IGNORED_OPENAI = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
                             "reasoning_effort", "modalities", "prediction", "safety_identifier",
                             "prompt_cache_key", "verbosity"})
 _warned: set[str] = set()
+
+
+def _refuse_unsupported_sampling(opts: Mapping, where: str) -> None:
+    """400 for a sampling option we do not implement set to a value that would matter."""
+    for key, neutral in UNSUPPORTED_OLLAMA_SAMPLING.items():
+        value = get_number(opts, key, where=where)
+        if value is not None and value != neutral:
+            raise ConfigError(where + key, f"is not supported (only {neutral}, which changes "
+                                           f"nothing); got {value!r}: use temperature, top_k, "
+                                           f"top_p, min_p or repeat_penalty")
+    warn_ignored(opts, frozenset(UNSUPPORTED_OLLAMA_SAMPLING), where)
 
 
 def warn_ignored(body: Mapping, keys: frozenset, where: str = "") -> None:
@@ -235,6 +251,7 @@ def ollama_options(body: Mapping, context_length: int) -> GenOptions:
     where = "options."
     warn_ignored(opts, IGNORED_OLLAMA_OPTIONS, where)
     warn_ignored(body, IGNORED_OLLAMA)
+    _refuse_unsupported_sampling(opts, where)
     n = get_int(opts, "num_predict", where=where)
     if n is not None and n < -1:
         raise ConfigError(where + "num_predict", f"must be >= 0, or -1 for 'until the context "
