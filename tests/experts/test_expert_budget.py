@@ -145,8 +145,12 @@ def test_policies_rank_victims():
 
 
 def test_budget_below_one_expert_is_refused(model):
+    ids = np.arange(5) + 3
+    before = model.logits(ids)
     with pytest.raises(ConfigError, match="smallest budget"):
         model.net.set_experts(1000)
+    assert model.net.experts is not None  # a refusal keeps the previous store, working
+    assert np.array_equal(model.logits(ids), before)
     model.net.set_experts(None)
 
 

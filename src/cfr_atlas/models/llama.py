@@ -309,8 +309,8 @@ class LlamaModel:
         self.config = LlamaConfig.from_gguf(gf)
         self.matmul = check_arithmetic(matmul)
         self._gf = gf
-        self.experts = build_store(gf, self.config, matmul, expert_budget, expert_policy,
-                                   routing_profile)
+        self._expert_args = (expert_budget, expert_policy, routing_profile)
+        self.experts = build_store(gf, self.config, matmul, *self._expert_args)
         self.weights = LlamaWeights(gf, self.config, matmul, self.experts)
         c = self.config
         self.rope_freqs = rope_freqs(c.rope_dims, theta=c.rope_theta,
@@ -327,14 +327,20 @@ class LlamaModel:
         budget = parse_expert_budget(budget)
         if self.experts is not None:
             self.experts.source.close()
-        self.experts = None  # drop the old pool before the new one is allocated
-        for lay in self.weights.layers:
-            lay.ffn.store = None
-        store = build_store(self._gf, self.config, self.matmul, budget, policy, profile)
+        self._use_store(None)  # drop the old pool before the new one is allocated
+        try:
+            store = build_store(self._gf, self.config, self.matmul, budget, policy, profile)
+        except Exception:  # refused (budget, host memory): the model keeps its old settings
+            self._use_store(build_store(self._gf, self.config, self.matmul, *self._expert_args))
+            raise
+        self._expert_args = (budget, policy, profile)
+        self._use_store(store)
+        return store
+
+    def _use_store(self, store) -> None:
         for lay in self.weights.layers:
             lay.ffn.store = store
         self.experts = store
-        return store
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """ids (T,) -> (T, dim) float32 rows of the embedding table."""
