@@ -64,6 +64,28 @@ def test_logits_match_llama_cpp(moe_file, arch, qtype):
     assert np.abs(ours - theirs).max() < LLAMACPP_TOL[qtype]
 
 
+def test_logits_match_llama_cpp_fixture(moe_file):
+    """The same comparison without llama.cpp installed (CI): its argmax at every position and
+    its top-8 logits per position, stored by make_llamacpp_moe_fixture.py for the exact bytes
+    write_tiny_moe writes (sha256 checked, so a changed writer cannot pass on stale data)."""
+    import hashlib
+    import json
+
+    fixture = json.loads((Path(__file__).parent / "data" / "llamacpp_moe.json").read_text())
+    assert fixture["ids"] == IDS
+    assert len(fixture["cases"]) == 2 * len(MOE_ARCHS)
+    for key, case in fixture["cases"].items():
+        arch, qtype = key.split("/")
+        path = moe_file(arch, qtype)
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == case["sha256"], (
+            f"{key}: the tiny file changed; rerun tests/models/make_llamacpp_moe_fixture.py")
+        ours = _model(path).logits(IDS)
+        assert ours.argmax(1).tolist() == case["argmax"], key
+        top = np.array(case["top_ids"])
+        diff = np.abs(np.take_along_axis(ours, top, 1) - np.array(case["top_logits"]))
+        assert diff.max() < LLAMACPP_TOL[qtype], (key, diff.max())
+
+
 def test_route_ties_go_to_the_lowest_expert_id():
     logits = np.array([[0.0, 1.0, 1.0, 0.5, 1.0]], dtype=np.float32)
     top, w = route(logits, 2, norm=False)
