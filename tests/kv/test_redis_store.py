@@ -186,6 +186,24 @@ def test_dead_redis_is_a_fast_miss_then_the_breaker_probes_and_recovers(redis_fa
     store.close()
 
 
+def test_a_full_redis_refusing_writes_does_not_stop_reads(redis_factory):
+    """Redis at maxmemory with noeviction answers every SET with an OOM error: that write is
+    dropped and counted, the breaker stays closed, and blocks already there are still read."""
+    server = redis_factory()
+    store = RedisKvStore(server.url)
+    cache = PrefixCache(SIG, ram_bytes=0, remote=store)
+    blocks = _publish(cache, store, n=2)
+    admin = server.client()
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", str(admin.info("memory")["used_memory"] + 1024))
+    _publish(cache, store, ids=IDS[::-1], n=1)                  # refused: OOM
+    st = store.stats()
+    assert st.errors == 1 and st.dropped == 1 and st.breaker_state == BreakerState.CLOSED
+    assert [x.hash for x in cache.lookup(cache.root(), IDS)][:2] == [x.hash for x in blocks]
+    admin.close()
+    store.close()
+
+
 def test_a_stalled_redis_costs_one_short_timeout(redis_factory):
     server = redis_factory()
     store = RedisKvStore(server.url, timeout=0.2)

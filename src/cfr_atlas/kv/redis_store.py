@@ -81,9 +81,10 @@ class RemoteStats:
     writes: int  # blocks stored
     present: int  # writes skipped by Redis: the key already held a block (NX)
     bytes_written: int
-    dropped: int  # writes not attempted: queue full, or the breaker open
+    dropped: int  # writes not done: queue full, breaker open, or Redis refused (e.g. OOM)
     skipped_reads: int  # lookups that skipped Redis: the breaker open
-    errors: int  # Redis errors and timeouts (each opens the breaker)
+    errors: int  # failed calls: timeouts and lost connections open the breaker; a refusal
+    #              Redis answers (OOM under noeviction, READONLY) does not
     breaker_opens: int
     breaker_state: int  # BreakerState: 0 closed, 1 open, 2 half-open
     queued_bytes: int  # encoded bytes waiting in the write-behind queue
@@ -150,6 +151,7 @@ class RedisKvStore:
         self._delete = self.redis.register_script(_DELETE_IF_SAME)
         self._count = dict.fromkeys(_COUNTERS, 0)
         self._count_lock = threading.Lock()
+        self._refusals: set[str] = set()  # kinds of Redis refusal already logged
         self._cv = threading.Condition()
         self._todo: deque[tuple[bytes, KvBlock, int]] = deque()
         self._queued = 0  # bytes in _todo plus the one being written
@@ -169,7 +171,14 @@ class RedisKvStore:
             return SKIPPED
         try:
             result = fn()
-        except Exception as e:  # RedisError (timeouts, connections) or anything unforeseen
+        except redis.ResponseError as e:  # Redis is up and answered no (OOM under noeviction,
+            self._add(errors=1)           # READONLY replica): this call fails, others go on
+            if type(e).__name__ not in self._refusals:
+                self._refusals.add(type(e).__name__)
+                log.warning("prefix store %s refused a command: %s (counted as errors; "
+                            "logged once)", self.where, e)
+            return FAILED
+        except Exception as e:  # timeouts, connections or anything unforeseen: back off
             self.breaker.failure()
             self._add(errors=1)
             log.warning("prefix store %s: %s: %s (skipped for %.1f s)", self.where,
