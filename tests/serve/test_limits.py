@@ -32,18 +32,20 @@ def test_over_num_ctx_is_400_naming_both_numbers(server, reference):
 
 def test_truncate_keeps_the_prompt_tail(server, reference, aclient):
     ids = reference.tokenize(LONG)
-    tail = ids[-12:]
-    want = reference.generate(tail, max_tokens=1)
+    tail = ids[-8:]  # num_ctx 12 with room for the 5 tokens asked: 12 - 5 + 1 prompt tokens
+    want = reference.generate(tail, max_tokens=5)
     r = httpx.post(server.url + "/api/generate", timeout=60, json={
         "model": MODEL, "prompt": LONG, "raw": True, "stream": False, "truncate": True,
         "options": {"num_ctx": 12, "num_predict": 5}})
     body = r.json()
     assert r.status_code == 200, body
-    assert body["prompt_eval_count"] == 12 and body["response"] == want
-    assert body["done_reason"] == "length" and body["eval_count"] == 1  # the context is full
+    assert body["prompt_eval_count"] == 8 and body["response"] == want
+    assert body["eval_count"] == 5
     c = aclient.completions.create(model=MODEL, prompt=LONG, max_tokens=5,
                                    extra_body={"num_ctx": 12, "truncate": True})
-    assert c.choices[0].text == want and c.usage.prompt_tokens == 12
+    assert c.choices[0].text == want and c.usage.prompt_tokens == 8
+    tail = ids[-12:]  # one token asked: the prompt keeps 12
+    want = reference.generate(tail, max_tokens=1)
     e = aclient.completions.create(model=MODEL, prompt=LONG, max_tokens=1, echo=True,
                                    logprobs=0, extra_body={"num_ctx": 12, "truncate": True})
     assert e.choices[0].text == reference.detokenize(tail) + want  # the prompt actually run

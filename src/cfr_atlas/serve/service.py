@@ -222,10 +222,11 @@ class Service:
             raise ConfigError("prompt", "is empty after tokenization")
         check_ids(ids, self.model.config.vocab_size)
         limit = opts.num_ctx or self.context_length
-        if opts.truncate:
-            ids = self.truncated(ids, limit)
-        self.check_fits(len(ids), limit)
         max_tokens = opts.max_tokens if opts.max_tokens is not None else self.config.max_tokens
+        if opts.truncate:  # keep room for the answer: the tokens asked for, at most half
+            reserve = max(1, min(max_tokens or limit, limit // 2))
+            ids = self.truncated(ids, limit - reserve + 1)
+        self.check_fits(len(ids), limit)
         room = limit - len(ids) + 1  # the last sampled token is never fed back
         max_tokens = room if max_tokens is None else min(max_tokens, room)
         session_kw = self.session_kw(opts.kv_budget, opts.cache_salt, longest=limit,
