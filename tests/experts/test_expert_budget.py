@@ -92,7 +92,7 @@ def test_pool_is_the_only_expert_memory_and_within_budget(model):
     assert store.pool.nbytes == store.n_slots * store.slot_bytes <= store.full_bytes // 2
     for w in (w for ws in store.weights if ws for w in ws):
         for a in w.tiles:
-            if isinstance(a, np.ndarray):
+            if isinstance(a, np.ndarray) and a.nbytes:  # (a format's empty offsets hold none)
                 assert np.shares_memory(a, store.pool)  # slot views, no private copies
     t = store.telemetry
     assert t.peak_resident_bytes <= t.pool_bytes

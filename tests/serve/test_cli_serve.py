@@ -44,7 +44,8 @@ def test_serve_passes_the_prefix_cache_options_to_load_model(monkeypatch, tmp_pa
     assert cli.main(["serve", "--prefix-cache", str(tmp_path), "--prefix-cache-bytes",
                      "2GiB"]) == 0
     assert seen == {"prefix_cache": str(tmp_path), "prefix_cache_bytes": "2GiB", "matmul": "float",
-                    "prefix_store": None, "prefix_store_ttl": None}
+                    "prefix_store": None, "prefix_store_ttl": None, "expert_budget": None,
+                    "expert_policy": "lru"}
 
 
 def test_serve_accepts_a_percentage_budget(monkeypatch, tiny_llama, tmp_path):
