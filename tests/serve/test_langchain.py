@@ -84,15 +84,9 @@ def _json_mode_gives_objects(model) -> None:
     assert chunks and isinstance(chunks[-1], dict)
 
 
-class TestChatOllama(ChatModelIntegrationTests):
-    @property
-    def chat_model_class(self):
-        return ChatOllama
-
-    @property
-    def chat_model_params(self) -> dict:
-        return {"model": NAME, "base_url": URL["base"], "num_predict": 256, "temperature": 0,
-                "repeat_penalty": 1.3}
+class _SmolChatTests(ChatModelIntegrationTests):
+    """What both chat suites share: the capability flags of this server and model, and JSON
+    mode's test (collected only through the two subclasses below)."""
 
     @property
     def has_tool_calling(self) -> bool:
@@ -117,7 +111,18 @@ class TestChatOllama(ChatModelIntegrationTests):
         _json_mode_gives_objects(model)
 
 
-class TestChatOpenAI(ChatModelIntegrationTests):
+class TestChatOllama(_SmolChatTests):
+    @property
+    def chat_model_class(self):
+        return ChatOllama
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"model": NAME, "base_url": URL["base"], "num_predict": 256, "temperature": 0,
+                "repeat_penalty": 1.3}
+
+
+class TestChatOpenAI(_SmolChatTests):
     @property
     def chat_model_class(self):
         return ChatOpenAI
@@ -127,29 +132,6 @@ class TestChatOpenAI(ChatModelIntegrationTests):
         return {"model": NAME, "base_url": URL["base"] + "/v1", "api_key": "unused",
                 "max_tokens": 256, "temperature": 0, "max_retries": 0, "stream_usage": True,
                 "extra_body": {"repeat_penalty": 1.3}}
-
-    @property
-    def has_tool_calling(self) -> bool:
-        return False
-
-    @property
-    def has_structured_output(self) -> bool:
-        return True
-
-    @property
-    def supports_json_mode(self) -> bool:
-        return True
-
-    @pytest.mark.xfail(reason="wants the key names its prompt asks for, which JSON mode does "
-                              "not promise and SmolLM2-135M does not follow; what JSON mode "
-                              "promises is asserted by test_json_mode_gives_a_json_object",
-                       strict=False)
-    def test_json_mode(self, model) -> None:
-        super().test_json_mode(model)
-
-    def test_json_mode_gives_a_json_object(self, model) -> None:
-        _json_mode_gives_objects(model)
-
 
     @pytest.mark.xfail(reason="langchain-openai turns a pydantic v1 schema into a function "
                               "call (tools), which SmolLM2's template cannot render: a 400",
