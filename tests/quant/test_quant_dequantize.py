@@ -15,7 +15,7 @@ from quant_data import (
     reference,
 )
 
-from cfr_atlas.quant import QType, QuantWeight
+from cfr_atlas.quant import TILE_ROWS, QType, QuantWeight
 from cfr_atlas.quant.weight import CODECS
 
 
@@ -73,8 +73,8 @@ def test_rows_dequantize_only_the_requested_rows(qtype):
 @pytest.mark.parametrize("qtype", list(QType))
 def test_repacked_size(qtype):
     """Block formats hold 1 byte per weight plus float32 scales (and offsets) per sub-block of
-    16 or 32 weights; floats keep their width."""
-    n, k = 48, cols(qtype, 576)
+    16 or 32 weights; floats keep their width. Rows are whole tiles here (no padding)."""
+    n, k = 2 * TILE_ROWS, cols(qtype, 576)
     w = QuantWeight.from_raw("w", qtype, quantized(qtype, n, k), (n, k))
     scales = {QType.Q4_1: (32, 2), QType.Q8_0: (32, 1), QType.Q4_0: (32, 1),
               QType.Q5_0: (32, 1), QType.Q5_1: (32, 2), QType.IQ4_NL: (32, 1),

@@ -103,9 +103,9 @@ def _int_kernel(xq, xd, xsum, q, d, out):
             acc_u[:] = 0
             for b in range(K // QK):
                 o, k0 = b * R * HALF, b * QK
-                int8.dot8x2_nibbles(q[i], o, xq[t], k0, isum, 0, xq[t + 1], k0, isum_u)
-                int8.dot8x2_nibbles(q[i], o + G * HALF, xq[t], k0, isum, G, xq[t + 1], k0,
-                                    isum_u)
+                for g in range(0, R, G):  # the tile's rows, G at a time
+                    int8.dot8x2_nibbles(q[i], o + g * HALF, xq[t], k0, isum, g, xq[t + 1], k0,
+                                        isum_u)
                 _int_add(acc, d[i], b, xd[t, b], 8 * xsum[t, b], isum)
                 _int_add(acc_u, d[i], b, xd[t + 1, b], 8 * xsum[t + 1, b], isum_u)
             out[t, n0:n0 + lanes] = acc[:lanes]
@@ -115,8 +115,8 @@ def _int_kernel(xq, xd, xsum, q, d, out):
             acc[:] = 0
             for b in range(K // QK):
                 o, k0 = b * R * HALF, b * QK
-                int8.dot8_nibbles(q[i], o, xq[t], k0, isum, 0)
-                int8.dot8_nibbles(q[i], o + G * HALF, xq[t], k0, isum, G)
+                for g in range(0, R, G):
+                    int8.dot8_nibbles(q[i], o + g * HALF, xq[t], k0, isum, g)
                 _int_add(acc, d[i], b, xd[t, b], 8 * xsum[t, b], isum)
             out[t, n0:n0 + lanes] = acc[:lanes]
 

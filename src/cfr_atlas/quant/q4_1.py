@@ -31,7 +31,7 @@ QK = BLOCKS[QType.Q4_1].elements
 BLOCK = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (QK // 2,))])
 assert BLOCK.itemsize == BLOCKS[QType.Q4_1].bytes
 R = TILE_ROWS
-assert QK == int8.QK and R == 2 * int8.GROUP  # a tile's block is two 8-row integer dots
+assert QK == int8.QK and R % int8.GROUP == 0  # a tile's block: R / GROUP integer dots
 HALF = QK // 2  # packed bytes per block
 
 # Rounding facts. f16 -> f32 is exact (subnormals included). d * q is exact in float32 (11-bit
@@ -127,9 +127,9 @@ def _int_kernel(xq, xd, xsum, q, d, m, out):
             acc_u[:] = 0
             for b in range(K // QK):
                 o, k0 = b * R * HALF, b * QK
-                int8.dot8x2_nibbles(q[i], o, xq[t], k0, isum, 0, xq[t + 1], k0, isum_u)
-                int8.dot8x2_nibbles(q[i], o + G * HALF, xq[t], k0, isum, G, xq[t + 1], k0,
-                                    isum_u)
+                for g in range(0, R, G):  # the tile's rows, G at a time
+                    int8.dot8x2_nibbles(q[i], o + g * HALF, xq[t], k0, isum, g, xq[t + 1], k0,
+                                        isum_u)
                 _int_add(acc, d[i], m[i], b, xd[t, b], sx[t, b], isum)
                 _int_add(acc_u, d[i], m[i], b, xd[t + 1, b], sx[t + 1, b], isum_u)
             out[t, n0:n0 + lanes] = acc[:lanes]
@@ -139,8 +139,8 @@ def _int_kernel(xq, xd, xsum, q, d, m, out):
             acc[:] = 0
             for b in range(K // QK):
                 o, k0 = b * R * HALF, b * QK
-                int8.dot8_nibbles(q[i], o, xq[t], k0, isum, 0)
-                int8.dot8_nibbles(q[i], o + G * HALF, xq[t], k0, isum, G)
+                for g in range(0, R, G):
+                    int8.dot8_nibbles(q[i], o + g * HALF, xq[t], k0, isum, g)
                 _int_add(acc, d[i], m[i], b, xd[t, b], sx[t, b], isum)
             out[t, n0:n0 + lanes] = acc[:lanes]
 

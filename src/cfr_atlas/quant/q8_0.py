@@ -23,7 +23,7 @@ QK = BLOCKS[QType.Q8_0].elements
 BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", (QK,))])
 assert BLOCK.itemsize == BLOCKS[QType.Q8_0].bytes
 R = TILE_ROWS
-assert QK == int8.QK and R == 2 * int8.GROUP  # a tile's block is two 8-row integer dots
+assert QK == int8.QK and R % int8.GROUP == 0  # a tile's block: R / GROUP integer dots
 
 # Rounding facts. f16 -> f32 is exact (subnormals included), and so is d * q in float32: an
 # 11-bit significand times an 8-bit integer needs 19 bits, and the smallest f16 subnormal times
@@ -110,8 +110,9 @@ def _int_kernel(xq, xd, q, d, out):
             acc_u[:] = 0
             for b in range(K // QK):
                 o, k0 = b * R * QK, b * QK
-                int8.dot8x2_int8(q[i], o, xq[t], k0, isum, 0, xq[t + 1], k0, isum_u)
-                int8.dot8x2_int8(q[i], o + G * QK, xq[t], k0, isum, G, xq[t + 1], k0, isum_u)
+                for g in range(0, R, G):  # the tile's rows, G at a time
+                    int8.dot8x2_int8(q[i], o + g * QK, xq[t], k0, isum, g, xq[t + 1], k0,
+                                     isum_u)
                 _int_add(acc, d[i], b, xd[t, b], isum)
                 _int_add(acc_u, d[i], b, xd[t + 1, b], isum_u)
             out[t, n0:n0 + lanes] = acc[:lanes]
@@ -121,8 +122,8 @@ def _int_kernel(xq, xd, q, d, out):
             acc[:] = 0
             for b in range(K // QK):
                 o, k0 = b * R * QK, b * QK
-                int8.dot8_int8(q[i], o, xq[t], k0, isum, 0)
-                int8.dot8_int8(q[i], o + G * QK, xq[t], k0, isum, G)
+                for g in range(0, R, G):
+                    int8.dot8_int8(q[i], o + g * QK, xq[t], k0, isum, g)
                 _int_add(acc, d[i], b, xd[t, b], isum)
             out[t, n0:n0 + lanes] = acc[:lanes]
 
