@@ -22,10 +22,10 @@ Weight layout ("block tiles"): a tile of TILE_ROWS output rows stores, block aft
 bytes of each row's block contiguously: tile[(b * TILE_ROWS + r) * BYTES + j]; BYTES = 32 for
 int8 weights, 16 for 4-bit weights kept packed as in GGUF (low nibbles q[0..15], high q[16..31]).
 
-Not here: the per-format terms and repacks (the format modules), shape checks (weight.py).
-Caching caveat: numba's cache=True stamps a kernel with its own source file only, so after an
-edit of the intrinsics here, touch q8_0.py, q4_0.py and q4_1.py (or clear their __pycache__)
-or their cached kernels keep the old code.
+The tile kernel (`tile_kernel`) is here too, one for the three formats, which pick their
+weight bytes (int8 or packed nibbles) and block term (SCALE, OFFSET8, MIN).
+
+Not here: the repacks and NumPy twins (the format modules), shape checks (weight.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from __future__ import annotations
 import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
-from numba import njit
+from numba import njit, prange
 from numba.core import cgutils, config, types
 from numba.extending import intrinsic
 
@@ -271,3 +271,66 @@ dot8_int8 = _dot8(_load_int8_row, unsigned=False, tokens=1)
 dot8_nibbles = _dot8(_load_nibble_row, unsigned=True, tokens=1)
 dot8x2_int8 = _dot8(_load_int8_row, unsigned=False, tokens=2)
 dot8x2_nibbles = _dot8(_load_nibble_row, unsigned=True, tokens=2)
+
+
+# --- the tile kernel, one for the three integer-path formats --------------------------------
+
+# How a block's int32 dot becomes the float32 term added to acc (per output row r, block b,
+# k = b * TILE_ROWS + r, dx = the activation block's scale):
+SCALE = 0  # Q8_0:  (d_k * dx) * isum_r
+OFFSET8 = 1  # Q4_0: (d_k * dx) * (isum_r - 8 xsum_b)   (weights stored 0..15, value q - 8)
+MIN = 2  # Q4_1:    (d_k * dx) * isum_r + m_k * (dx * xsum_b)   (llama.cpp's q8_1 s = d sum q)
+
+
+def tile_kernel(nibbles: bool, term: int):
+    """The parallel integer-path kernel(xq, xd, xsum, q, d, m, out) for block tiles of int8
+    weights (nibbles=False) or GGUF's packed nibbles, with one of the terms above (m is unused
+    unless term == MIN: pass d). Threads split the tiles; tokens go in pairs, one weight load
+    serving both, every operation of either token the one a lone token performs."""
+    R = TILE_ROWS
+    unit = QK // 2 if nibbles else QK  # bytes of one row's block
+    dot1 = dot8_nibbles if nibbles else dot8_int8
+    dot2 = dot8x2_nibbles if nibbles else dot8x2_int8
+
+    @njit(cache=True, inline="always")
+    def add_terms(acc, d, m, b, dx, xs, isum):
+        for r in range(R):
+            k = b * R + r
+            if term == SCALE:
+                acc[r] += (d[k] * dx) * np.float32(isum[r])
+            elif term == OFFSET8:
+                acc[r] += (d[k] * dx) * np.float32(isum[r] - 8 * xs)
+            else:
+                acc[r] += (d[k] * dx) * np.float32(isum[r]) + m[k] * (dx * np.float32(xs))
+
+    @njit(parallel=True, cache=True)
+    def kernel(xq, xd, xsum, q, d, m, out):
+        T, K = xq.shape
+        N = out.shape[1]
+        for i in prange(q.shape[0]):
+            acc, acc_u = np.empty(R, dtype=np.float32), np.empty(R, dtype=np.float32)
+            isum, isum_u = np.empty(R, dtype=np.int32), np.empty(R, dtype=np.int32)
+            n0 = i * R
+            lanes = min(R, N - n0)
+            for t in range(0, T - 1, 2):
+                acc[:] = 0
+                acc_u[:] = 0
+                for b in range(K // QK):
+                    o, k0 = b * R * unit, b * QK
+                    for g in range(0, R, GROUP):  # the tile's rows, GROUP at a time
+                        dot2(q[i], o + g * unit, xq[t], k0, isum, g, xq[t + 1], k0, isum_u)
+                    add_terms(acc, d[i], m[i], b, xd[t, b], xsum[t, b], isum)
+                    add_terms(acc_u, d[i], m[i], b, xd[t + 1, b], xsum[t + 1, b], isum_u)
+                out[t, n0:n0 + lanes] = acc[:lanes]
+                out[t + 1, n0:n0 + lanes] = acc_u[:lanes]
+            if T % 2:
+                t = T - 1
+                acc[:] = 0
+                for b in range(K // QK):
+                    o, k0 = b * R * unit, b * QK
+                    for g in range(0, R, GROUP):
+                        dot1(q[i], o + g * unit, xq[t], k0, isum, g)
+                    add_terms(acc, d[i], m[i], b, xd[t, b], xsum[t, b], isum)
+                out[t, n0:n0 + lanes] = acc[:lanes]
+
+    return kernel

@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit, prange
 
 from cfr_atlas.quant import int8, q8_0, subblock
 from cfr_atlas.quant.formats import BLOCKS, Codec, QType
@@ -81,50 +80,13 @@ def int_unpack_rows(tiles: IntTiles, ids: np.ndarray | slice,
     return q8_0.values(d, q, np.empty(q.shape, dtype=np.float32) if out is None else out)
 
 
-@njit(cache=True, inline="always")
-def _int_add(acc, d, b, xd, off, isum):
-    """acc (R,) += block b's terms: (d_b * d_x) * (isum_b - 8 xsum_b) per row, off = 8 xsum_b."""
-    for r in range(R):
-        acc[r] += (d[b * R + r] * xd) * np.float32(isum[r] - off)
-
-
-@njit(parallel=True, cache=True)
-def _int_kernel(xq, xd, xsum, q, d, out):
-    """xq (T, K) int8, xd, xsum (T, nb), block tiles q, d -> out (T, N); tokens in pairs."""
-    T, K = xq.shape
-    N, G = out.shape[1], int8.GROUP
-    for i in prange(q.shape[0]):
-        acc, acc_u = np.empty(R, dtype=np.float32), np.empty(R, dtype=np.float32)
-        isum, isum_u = np.empty(R, dtype=np.int32), np.empty(R, dtype=np.int32)
-        n0 = i * R
-        lanes = min(R, N - n0)
-        for t in range(0, T - 1, 2):
-            acc[:] = 0
-            acc_u[:] = 0
-            for b in range(K // QK):
-                o, k0 = b * R * HALF, b * QK
-                for g in range(0, R, G):  # the tile's rows, G at a time
-                    int8.dot8x2_nibbles(q[i], o + g * HALF, xq[t], k0, isum, g, xq[t + 1], k0,
-                                        isum_u)
-                _int_add(acc, d[i], b, xd[t, b], 8 * xsum[t, b], isum)
-                _int_add(acc_u, d[i], b, xd[t + 1, b], 8 * xsum[t + 1, b], isum_u)
-            out[t, n0:n0 + lanes] = acc[:lanes]
-            out[t + 1, n0:n0 + lanes] = acc_u[:lanes]
-        if T % 2:
-            t = T - 1
-            acc[:] = 0
-            for b in range(K // QK):
-                o, k0 = b * R * HALF, b * QK
-                for g in range(0, R, G):
-                    int8.dot8_nibbles(q[i], o + g * HALF, xq[t], k0, isum, g)
-                _int_add(acc, d[i], b, xd[t, b], 8 * xsum[t, b], isum)
-            out[t, n0:n0 + lanes] = acc[:lanes]
+_int_kernel = int8.tile_kernel(nibbles=True, term=int8.OFFSET8)
 
 
 def int_matmul(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
     """out (T, N) = x (T, K) @ W.T on the integer path; inputs already checked."""
     xq, xd, xsum = int8.quantize(x)
-    _int_kernel(xq, xd, xsum, tiles.q, tiles.d, out)
+    _int_kernel(xq, xd, xsum, tiles.q, tiles.d, tiles.d, out)
 
 
 def int_matmul_numpy(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:

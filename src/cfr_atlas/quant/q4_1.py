@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit, prange
 
 from cfr_atlas.quant import int8, subblock
 from cfr_atlas.quant.formats import BLOCKS, Codec, QType
@@ -103,46 +102,7 @@ def int_unpack_rows(tiles: IntTiles, ids: np.ndarray | slice,
     return _values(d, m, q, np.empty(q.shape, dtype=np.float32) if out is None else out)
 
 
-@njit(cache=True, inline="always")
-def _int_add(acc, d, m, b, xd, sx, isum):
-    """acc (R,) += block b's terms: (d_b * d_x) * isum_b + m_b * sx per row, sx = d_x xsum_b."""
-    for r in range(R):
-        k = b * R + r
-        acc[r] += (d[k] * xd) * np.float32(isum[r]) + m[k] * sx
-
-
-@njit(parallel=True, cache=True)
-def _int_kernel(xq, xd, xsum, q, d, m, out):
-    """xq (T, K) int8, xd, xsum (T, nb), block tiles q, d, m -> out (T, N); tokens in pairs."""
-    T, K = xq.shape
-    N, G = out.shape[1], int8.GROUP
-    sx = xd * xsum.astype(np.float32)  # (T, nb): llama.cpp's q8_1 s = d * sum(q)
-    for i in prange(q.shape[0]):
-        acc, acc_u = np.empty(R, dtype=np.float32), np.empty(R, dtype=np.float32)
-        isum, isum_u = np.empty(R, dtype=np.int32), np.empty(R, dtype=np.int32)
-        n0 = i * R
-        lanes = min(R, N - n0)
-        for t in range(0, T - 1, 2):
-            acc[:] = 0
-            acc_u[:] = 0
-            for b in range(K // QK):
-                o, k0 = b * R * HALF, b * QK
-                for g in range(0, R, G):  # the tile's rows, G at a time
-                    int8.dot8x2_nibbles(q[i], o + g * HALF, xq[t], k0, isum, g, xq[t + 1], k0,
-                                        isum_u)
-                _int_add(acc, d[i], m[i], b, xd[t, b], sx[t, b], isum)
-                _int_add(acc_u, d[i], m[i], b, xd[t + 1, b], sx[t + 1, b], isum_u)
-            out[t, n0:n0 + lanes] = acc[:lanes]
-            out[t + 1, n0:n0 + lanes] = acc_u[:lanes]
-        if T % 2:
-            t = T - 1
-            acc[:] = 0
-            for b in range(K // QK):
-                o, k0 = b * R * HALF, b * QK
-                for g in range(0, R, G):
-                    int8.dot8_nibbles(q[i], o + g * HALF, xq[t], k0, isum, g)
-                _int_add(acc, d[i], m[i], b, xd[t, b], sx[t, b], isum)
-            out[t, n0:n0 + lanes] = acc[:lanes]
+_int_kernel = int8.tile_kernel(nibbles=True, term=int8.MIN)
 
 
 def int_matmul(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
