@@ -96,7 +96,7 @@ def fixed_kv_bytes(config, *, regenerator: str = "spill", page_tokens: int = 256
     in place from the page file's mapping (the OS page cache, file-backed memory).
     """
     probe = AtlasConfig(page_tokens=page_tokens, head_dim=config.head_dim,
-                        storage_dtype=storage_dtype)
+                        storage_dtype=storage_dtype, value_dim=config.value_dim)
     limit = config.context_length if context_limit is None else context_limit
     out = {"scratch": probe.scratch_pages * probe.page_bytes,
            "staging": probe.scratch_bytes - probe.scratch_pages * probe.page_bytes}
@@ -150,8 +150,12 @@ class Session:
         self.model = model
         check_salt(cache_salt)  # keys the prefix blocks: other salts never share one
         self.context_limit = c.context_length if context_limit is None else context_limit
+        # value_dim: None, or V is a view of K's first columns (MLA's latent, one shared head)
         self._geometry = dict(page_tokens=page_tokens, head_dim=c.head_dim,
-                              storage_dtype=storage_dtype)
+                              storage_dtype=storage_dtype, value_dim=c.value_dim)
+        if prefix is not None and c.value_dim is not None:
+            raise ConfigError("prefix_cache", f"{c.arch} keeps a latent K/V stream; the prefix "
+                                              "cache does not hold one yet")
         self.budget = None if kv_budget is None else resolve_kv_budget(
             kv_budget, full_kv_bytes(c, self.context_limit, storage_dtype))
         self.fixed = {} if self.budget is None else fixed_kv_bytes(
@@ -179,7 +183,8 @@ class Session:
             self.backend = SpillKv(cache_dir, page_tokens, c.head_dim,
                                    self.atlas.config.dtype, model.identity,
                                    n_layers=c.n_layers, n_kv_heads=c.n_kv_heads,
-                                   context_tokens=self.context_limit)
+                                   context_tokens=self.context_limit,
+                                   value_dim=self.atlas.config.stored_value_dim)
         else:
             self.backend = RecomputeKv(model, capacity_tokens=self.context_limit)
         self.n_tokens = 0

@@ -8,7 +8,14 @@ attention (those live in quant/, kv/ and atlas/).
 
 from cfr_atlas.ops.activations import geglu, gelu, silu, softcap, swiglu
 from cfr_atlas.ops.norm import rms_norm, rms_norm_per_head
-from cfr_atlas.ops.rope import RopeMode, apply_rope, rope_cos_sin, rope_freqs, rotate
+from cfr_atlas.ops.rope import (
+    RopeMode,
+    apply_rope,
+    rope_cos_sin,
+    rope_freqs,
+    rotate,
+    yarn_freqs,
+)
 
 __all__ = [
     "RopeMode",
@@ -23,4 +30,5 @@ __all__ = [
     "silu",
     "softcap",
     "swiglu",
+    "yarn_freqs",
 ]
