@@ -7,6 +7,7 @@ attention (those live in quant/, kv/ and atlas/).
 """
 
 from cfr_atlas.ops.activations import geglu, gelu, silu, softcap, swiglu
+from cfr_atlas.ops.indexer import lightning_indexer_topk
 from cfr_atlas.ops.norm import rms_norm, rms_norm_per_head
 from cfr_atlas.ops.rope import (
     RopeMode,
@@ -21,6 +22,7 @@ __all__ = [
     "RopeMode",
     "apply_rope",
     "geglu",
+    "lightning_indexer_topk",
     "gelu",
     "rms_norm",
     "rms_norm_per_head",
