@@ -17,6 +17,7 @@ from cfr_atlas.ops.rope import (
     rotate,
     yarn_freqs,
 )
+from cfr_atlas.ops.wht import wht
 
 __all__ = [
     "RopeMode",
@@ -32,5 +33,6 @@ __all__ = [
     "silu",
     "softcap",
     "swiglu",
+    "wht",
     "yarn_freqs",
 ]
