@@ -13,7 +13,10 @@ index-key stream of 128 dims x 4 index heads; atlas/sparse.py reads only the pag
 selected token, in place from the page file, checksum verified). The index keys are synthetic
 with locality (an AR(1) walk over positions: nearby tokens score alike, so a query's top_k
 comes in runs, as attention to passages does); the fewer pages the runs touch, the more are
-skipped. With independent random keys top_k >= pages selects nearly every page.
+skipped. With independent random keys top_k >= pages selects nearly every page. Block-sparse
+rows ("k blocks of 128", MiniMax-style, ops.block_select) rank the 128-token blocks by the
+query heads' summed dot with each block's mean key and read the top k blocks plus the query's
+own block (the means are computed once here; in a model they are a small stream of their own).
 
 Columns: steps/s of this one layer's attention (indexer included for the sparse rows), pages
 regenerated and pages skipped per step, and "exact": every step's output equals the same
@@ -35,7 +38,7 @@ import numpy as np
 from cfr_atlas.atlas import Atlas, AtlasConfig, KeepRecent, StorageDtype, round_rows
 from cfr_atlas.atlas.sparse import attend_selected
 from cfr_atlas.kv import SpillKv
-from cfr_atlas.ops import lightning_indexer_topk
+from cfr_atlas.ops import block_means, block_select, lightning_indexer_topk
 
 
 def _args(argv):
@@ -47,20 +50,27 @@ def _args(argv):
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--page-tokens", type=int, default=64)
     p.add_argument("--top-k", default="dense,2048,512,128")
+    p.add_argument("--blocks", default="16,4", help="block-sparse rows: top-k blocks")
+    p.add_argument("--block", type=int, default=128, help="tokens per block (MiniMax: 128)")
     p.add_argument("--quick", action="store_true", help="a small stream, few steps (tests)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.quick:
         a.tokens, a.steps, a.latent, a.rope, a.heads, a.page_tokens = 512, 2, 64, 16, 4, 16
-        a.top_k = "dense,128,32"
+        a.top_k, a.blocks, a.block = "dense,128,32", "4,1", 16
     return a
+
+
+def _keys(a) -> np.ndarray:
+    """The stream's K rows (tokens, D) f32 as stored (float16 values)."""
+    rows = np.random.default_rng(0).standard_normal((a.tokens, a.latent + a.rope))
+    return rows.astype(np.float16).astype(np.float32)
 
 
 def _stream(a, folder, budget):
     """(atlas, page file) holding `a.tokens` latent rows; budget: hot-cache bytes."""
     D = a.latent + a.rope
-    rows = np.random.default_rng(0).standard_normal((a.tokens, 1, D)).astype(np.float32)
-    k_st = round_rows(rows, StorageDtype.FLOAT16)
+    k_st = round_rows(_keys(a)[:, None], StorageDtype.FLOAT16)
     spill = SpillKv(folder, a.page_tokens, D, StorageDtype.FLOAT16, "00" * 32, n_layers=1,
                     n_kv_heads=1, context_tokens=a.tokens, value_dim=0)
     v_st = np.empty((a.tokens, 1, 0), dtype=k_st.dtype)
@@ -103,13 +113,23 @@ def run(a, folder) -> list[dict]:
     scale = 1.0 / np.sqrt(D)
     small, spill = _stream(a, Path(folder) / "small", full // 10)
     whole, spill_all = _stream(a, Path(folder) / "whole", 2 * full)
+    means = block_means(_keys(a), a.block)  # block-sparse rows: the mean of each block's keys
+
+    def select(kind, k, s):
+        if kind == "dense":
+            return None
+        if kind == "blocks":
+            return block_select(q[s][0], means, n, k, a.block)
+        return lightning_indexer_topk(index_q[s], w, index_keys, k)
+
+    rows = [("dense", 0)] + [("top_k", int(k)) for k in a.top_k.split(",") if k != "dense"]
+    rows += [("blocks", int(b)) for b in a.blocks.split(",") if b]
     out = []
-    for top_k in a.top_k.split(","):
-        k = None if top_k == "dense" else int(top_k)
+    for kind, k in rows:
         regen = skipped = 0
         exact = True
         for s in range(a.steps):  # counters and exactness (the resident run is the reference)
-            sel = None if k is None else lightning_indexer_topk(index_q[s], w, index_keys, k)
+            sel = select(kind, k, s)
             got = _step(small, spill, q[s], n, sel, scale)
             last = small.telemetry().last_call
             regen += last.regenerations
@@ -117,10 +137,11 @@ def run(a, folder) -> list[dict]:
             exact &= bool(np.array_equal(got, _step(whole, spill_all, q[s], n, sel, scale)))
         t0 = time.perf_counter()  # then the timed pass: the budgeted steps alone
         for s in range(a.steps):
-            sel = None if k is None else lightning_indexer_topk(index_q[s], w, index_keys, k)
-            _step(small, spill, q[s], n, sel, scale)
+            _step(small, spill, q[s], n, select(kind, k, s), scale)
         seconds = time.perf_counter() - t0
-        out.append({"top_k": top_k, "tokens": n, "budget": "10%", "steps_per_s":
+        label = "dense" if kind == "dense" else str(k) if kind == "top_k" else \
+            f"{k} blocks of {a.block}"
+        out.append({"top_k": label, "tokens": n, "budget": "10%", "steps_per_s":
                     a.steps / seconds, "pages_regenerated": regen / a.steps,
                     "pages_skipped": skipped / a.steps, "pages": -(-n // a.page_tokens),
                     "exact": exact})

@@ -7,6 +7,7 @@ attention (those live in quant/, kv/ and atlas/).
 """
 
 from cfr_atlas.ops.activations import geglu, gelu, silu, softcap, swiglu
+from cfr_atlas.ops.block_select import block_means, block_select
 from cfr_atlas.ops.indexer import lightning_indexer_topk
 from cfr_atlas.ops.norm import rms_norm, rms_norm_per_head
 from cfr_atlas.ops.rope import (
@@ -22,6 +23,8 @@ from cfr_atlas.ops.wht import wht
 __all__ = [
     "RopeMode",
     "apply_rope",
+    "block_means",
+    "block_select",
     "geglu",
     "lightning_indexer_topk",
     "gelu",
