@@ -77,9 +77,9 @@ def deepseek2_reference_logits(path, ids: list[int]) -> np.ndarray:
     vdim = m("attention.value_length_mla", 0) or m("attention.value_length")
     N, lead, E = kdim - R, m("leading_dense_block_count", 0), m("expert_count", 0)
     mscale = m("rope.scaling.attn_factor", 1.0)
-    if m("rope.scaling.type", "none") == "yarn":
-        mscale *= 1 + 0.1 * m("rope.scaling.yarn_log_multiplier") * math.log(
-            m("rope.scaling.factor"))
+    if m("rope.scaling.type", "none") == "yarn":  # HF: softmax_scale *= yarn_get_mscale^2
+        mscale_all_dim = m("rope.scaling.yarn_log_multiplier") / 0.1  # the converter wrote 0.1x
+        mscale *= 0.1 * mscale_all_dim * math.log(m("rope.scaling.factor")) + 1
     scale = mscale * mscale / math.sqrt(kdim)
     T = len(ids)
     cos, sin = _rope_table(np.arange(T), r, R)

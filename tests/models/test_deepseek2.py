@@ -67,22 +67,28 @@ def test_logits_match_float64_non_absorbed_reference(ds_file, case):
     assert np.array_equal(got.argmax(1), ref.argmax(1))
 
 
-# llama.cpp on the same Q8_0 files: it rounds activations to Q8_0 blocks and keeps K/V in f16
-# (the MoE files measured 0.12-0.23 for the same reasons); argmax must agree
-LLAMACPP_TOL = 0.35
+# llama.cpp (llama-cpp-python 0.3.36) on the same files, our default float16 K/V. F32 weights
+# isolate the architecture's math (absorption, YaRN, gating): measured max |diff| 0.008-0.018.
+# Q8_0: llama.cpp rounds activations to Q8_0 blocks before each product, we multiply float32
+# activations (our float64 reference agrees with us to 1.4e-5 on these files): the dense file
+# measured 0.24; the MoE files differ more (max 0.58-3.7, argmax 92% of positions: their expert
+# outputs are scaled by 2.5 and the tiny random logits are close), so CI compares those at F32.
+LLAMACPP = [("lowrank-moe", "F32"), ("direct-dense-fused", "F32"),
+            ("direct-moe-sigmoid-yarn", "F32"), ("direct-dense-fused", "Q8_0")]
+LLAMACPP_TOL = {"F32": 0.05, "Q8_0": 0.35}
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_logits_match_llama_cpp(ds_file, case):
+@pytest.mark.parametrize("case, qtype", LLAMACPP)
+def test_logits_match_llama_cpp(ds_file, case, qtype):
     pytest.importorskip("llama_cpp")
     sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
     from llamacpp_ref import llamacpp_logits
 
-    path = ds_file(case)
+    path = ds_file(case, qtype)
     theirs = llamacpp_logits(path, IDS, threads=1)
     ours = _model(path).logits(IDS)
     assert np.array_equal(ours.argmax(1), theirs.argmax(1))
-    assert np.abs(ours - theirs).max() < LLAMACPP_TOL
+    assert np.abs(ours - theirs).max() < LLAMACPP_TOL[qtype]
 
 
 def test_logits_match_llama_cpp_fixture(ds_file):
@@ -91,20 +97,19 @@ def test_logits_match_llama_cpp_fixture(ds_file):
     import hashlib
     import json
 
-    data = Path(__file__).parent / "data" / "llamacpp_deepseek2.json"
-    if not data.exists():
-        pytest.skip("no llama.cpp fixture yet: run make_llamacpp_deepseek2_fixture.py")
-    fixture = json.loads(data.read_text())
-    assert fixture["ids"] == IDS and set(fixture["cases"]) == set(CASES)
+    fixture = json.loads((Path(__file__).parent / "data" / "llamacpp_deepseek2.json").read_text())
+    assert fixture["ids"] == IDS and sorted(fixture["cases"]) == sorted(
+        f"{c}/{q}" for c, q in LLAMACPP)
     for key, case in fixture["cases"].items():
-        path = ds_file(key)
+        name, qtype = key.split("/")
+        path = ds_file(name, qtype)
         assert hashlib.sha256(path.read_bytes()).hexdigest() == case["sha256"], (
             f"{key}: the tiny file changed; rerun make_llamacpp_deepseek2_fixture.py")
         ours = _model(path).logits(IDS)
         assert ours.argmax(1).tolist() == case["argmax"], key
         top = np.array(case["top_ids"])
         diff = np.abs(np.take_along_axis(ours, top, 1) - np.array(case["top_logits"]))
-        assert diff.max() < LLAMACPP_TOL, (key, diff.max())
+        assert diff.max() < LLAMACPP_TOL[qtype], (key, diff.max())
 
 
 def test_the_cache_holds_one_latent_row_per_token(ds_file):

@@ -19,8 +19,10 @@ non-absorbed form (k_nope[h] = W_kb[h]^T c, v[h] = W_vb[h] c per head) by associ
 q_nope.(W_kb^T c) = (W_kb q_nope).c; tests check it against a float64 reference of that form.
 Up-projections come as attn_k_b (H, r, N) and attn_v_b (H, Dv, r), or as the older fused
 attn_kv_b (H * (N + Dv), r), transposed once at load. The score scale is llama.cpp's
-kq_scale = mscale^2 / sqrt(N + R), mscale = a (1 + 0.1 yarn_log_mul ln(factor)) under YaRN, a
-the file's rope.scaling.attn_factor (default 1), which also scales the rope slice's cos/sin.
+kq_scale = mscale^2 / sqrt(N + R), mscale = a (1 + yarn_log_multiplier ln(factor)) under YaRN
+(the file holds 0.1 x HF's mscale_all_dim: llama.cpp's converter writes it so and its loader
+divides it back), a the file's rope.scaling.attn_factor (default 1), which also scales the rope
+slice's cos/sin; YaRN's ramp uses beta_fast 32, beta_slow 1 (llama.cpp's context defaults).
 The first `leading_dense_block_count` blocks are dense SwiGLU; the rest MoE (moe.py): softmax
 or sigmoid gating (+ exp_probs_b for choosing), top-k weights normalized if the file says so,
 times expert_weights_scale, plus the shared experts (one dense SwiGLU, added ungated).
@@ -99,7 +101,7 @@ class DeepSeek2Config:
     def kq_scale(self) -> float:
         mscale = self.attn_factor
         if self.yarn is not None:
-            mscale *= 1.0 + 0.1 * self.yarn[2] * math.log(self.yarn[0])
+            mscale *= 1.0 + self.yarn[2] * math.log(self.yarn[0])
         return mscale * mscale / math.sqrt(self.key_head_dim)
 
     def kv_bytes(self, n_tokens: int, itemsize: int = 2) -> int:
@@ -175,8 +177,7 @@ def _yarn(gf: GGUFFile, count) -> tuple | None:
                                f"must be a finite number, got {log_mul!r}")
     return (gf.meta_float(f"{ARCH}.rope.scaling.factor"),
             count("rope.scaling.original_context_length", high=LIMITS["context"]),
-            float(log_mul), gf.meta_float(f"{ARCH}.rope.scaling.yarn_beta_fast", 32.0),
-            gf.meta_float(f"{ARCH}.rope.scaling.yarn_beta_slow", 1.0))
+            float(log_mul), 32.0, 1.0)  # llama.cpp's beta_fast / beta_slow, not read from files
 
 
 def _per_head(gf: GGUFFile, name: str, n_heads: int, rows: int, cols: int,
