@@ -32,9 +32,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--kv-budget", default=None, help=_KV_HELP)
-    p.add_argument("--regenerator", default="spill", choices=["spill", "recompute"],
+    p.add_argument("--regenerator", default="spill", choices=["spill", "recompute", "turboquant"],
                    help="where cold pages come from: spill (the sequence's page file, default) "
-                   "or recompute (replay K/V from kept layer inputs)")
+                   "or recompute (replay K/V from kept layer inputs); turboquant is LOSSY "
+                   "(cold pages through a 8-bit rotated codec: output labelled approximate)")
     p.add_argument("--kv-dtype", default="float16", choices=["float32", "float16", "bfloat16"],
                    help="K/V storage dtype (default float16; float32 doubles the K/V bytes)")
     p.add_argument("--cache-dir", default=None, help="folder for page files (default: user cache)")
@@ -242,7 +243,14 @@ def telemetry_lines(t: dict) -> list[str]:
         f"{prompt - cached} computed, {prefill_s:.3f} s)",
         f"decode tok/s     {_rate(t.get('generated_tokens', 0), decode_s)} "
         f"({t.get('generated_tokens', 0)} tokens, {decode_s:.3f} s)",
-    ] + _expert_lines(t)
+    ] + _expert_lines(t) + _approximate_lines(t)
+
+
+def _approximate_lines(t: dict) -> list[str]:
+    if not t.get("approximate"):
+        return []
+    return ["APPROXIMATE      cold K/V pages came through the lossy turboquant codec: this "
+            "output is not the exact model's (docs/ATTENTION.md)"]
 
 
 def _expert_lines(t: dict) -> list[str]:

@@ -44,13 +44,16 @@ def _float_field(name: str, value, *, positive: bool) -> float:
 class AtlasConfig:
     """Page geometry, hot-cache budget and scratch sizing for one `Atlas`.
 
-    page_tokens: tokens per page; head_dim: K/V row width; hot_cache_bytes: ceiling on resident
-    K + V bytes (0 = nothing stays hot); layer_budgets: optional {layer: bytes} ceilings inside the
-    global one; max_scratch_tokens: scratch rows for regenerated pages (a multiple of pages,
-    at least one page); split_pages: pages per fold partition (a fixed split, merged in order, so
-    the result never depends on thread count or budget); preallocate_hot_cache: allocate the
-    hot cache's whole slot pool (hot_cache_bytes // page_bytes slots) at its first admission,
-    instead of growing it (a budgeted sequence: no reallocation, no copy, never above budget).
+    page_tokens: tokens per page; head_dim: K row width (and V's, unless value_dim is set);
+    value_dim: None, V rows of head_dim stored beside K; or v in [1, head_dim]: V is the first v
+    columns of each stored K row, a view of K's bytes, no V stored (MLA's shared latent: K =
+    [latent; rope key], V = latent); hot_cache_bytes: ceiling on resident K + V bytes (0 = nothing
+    stays hot); layer_budgets: optional {layer: bytes} ceilings inside the global one;
+    max_scratch_tokens: scratch rows for regenerated pages (a multiple of pages, at least one page);
+    split_pages: pages per fold partition (a fixed split, merged in order, so the result never
+    depends on thread count or budget); preallocate_hot_cache: allocate the hot cache's whole slot
+    pool (hot_cache_bytes // page_bytes slots) at its first admission, instead of growing it (a
+    budgeted sequence: no reallocation, no copy, never above budget).
     """
 
     page_tokens: int
@@ -64,10 +67,13 @@ class AtlasConfig:
     layer_budgets: dict[int, int] | None = field(default=None, hash=False)
     split_pages: int = 4
     preallocate_hot_cache: bool = False
+    value_dim: int | None = None
 
     def __post_init__(self):
         _int_field("page_tokens", self.page_tokens, minimum=1, maximum=MAX_PAGE_TOKENS)
         _int_field("head_dim", self.head_dim, minimum=1, maximum=MAX_HEAD_DIM)
+        if self.value_dim is not None:
+            _int_field("value_dim", self.value_dim, minimum=1, maximum=self.head_dim)
         _int_field("hot_cache_bytes", self.hot_cache_bytes, minimum=0, maximum=MAX_BYTES)
         _int_field("split_pages", self.split_pages, minimum=1, maximum=1 << 20)
         if self.scale is not None:
@@ -99,9 +105,19 @@ class AtlasConfig:
         return StorageDtype(self.storage_dtype)
 
     @property
+    def stored_value_dim(self) -> int:
+        """Width of the stored V rows: head_dim, or 0 when V is a view of K (value_dim set)."""
+        return self.head_dim if self.value_dim is None else 0
+
+    @property
+    def out_dim(self) -> int:
+        """Width of an attention output row (the V width the fold reads)."""
+        return self.head_dim if self.value_dim is None else self.value_dim
+
+    @property
     def row_bytes(self) -> int:
-        """Bytes of one token's K + V rows for one head."""
-        return 2 * self.head_dim * self.dtype.itemsize
+        """Bytes of one token's stored K + V rows for one head."""
+        return (self.head_dim + self.stored_value_dim) * self.dtype.itemsize
 
     @property
     def page_bytes(self) -> int:
@@ -119,7 +135,7 @@ class AtlasConfig:
     @property
     def scratch_bytes(self) -> int:
         """Scratch slots plus the float32 staging rows regenerators fill (one page of K and V)."""
-        staging = 2 * self.page_tokens * self.head_dim * 4
+        staging = self.page_tokens * (self.head_dim + self.stored_value_dim) * 4
         return self.scratch_pages * self.page_bytes + staging
 
     def query_scale(self) -> float:

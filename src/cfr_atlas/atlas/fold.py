@@ -20,6 +20,11 @@ summed over dims in order, K pages stored transposed so keys fill the vector lan
 weight is rounded to float32 once and used for both l and the page's float32 sum of V rows;
 l and acc accumulate across pages in float64 (see docs/MATH.md).
 
+V may be a view of K (MLA: K = [latent; rope key], V = latent): then every V slab has width 0
+and the fold reads V row j as the first Dv entries of K^T's column j (Dv = acc's width), so the
+stored bytes are read once per page and never copied; the sum per output entry runs over keys
+in the same order as with a V slab.
+
 Pages come from three slabs of one layout (K^T (S, D, P), V (S, P, D), storage dtype): the hot
 cache (SRC_HOT), regeneration scratch (SRC_SCRATCH), and a regenerator's memory-mapped pages
 (SRC_MAP, e.g. the page file in the OS page cache, read in place). A mapped page is verified in
@@ -114,6 +119,8 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state):
     scale, softcap, alibi, window, fmt = score
     m, l, acc = state
     n_tok, n_head, n_grp, d = q.shape
+    dv = acc.shape[4]  # V width: d, or the K rows V views (a V slab of width 0)
+    v_in_k = slabs[1].shape[2] == 0
     page_tokens = slabs[1].shape[1]
     n_pg = src.shape[1]
     p0 = lo // split
@@ -128,8 +135,8 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state):
     p64 = np.empty(page_tokens, dtype=np.float64)
     p = np.empty((n_grp, page_tokens), dtype=np.float32)
     bits = np.empty(page_tokens, dtype=np.int64)
-    ag = np.empty((n_grp, d), dtype=np.float32)
-    vt = np.empty(d, dtype=np.float32)
+    ag = np.empty((n_grp, dv), dtype=np.float32)
+    vt = np.empty(dv, dtype=np.float32)
     for gp in range(max(part * split, lo), min((part + 1) * split, lo + n_pg)):
         f = h * n_pg + gp - lo
         if f < a or f >= b:
@@ -179,19 +186,28 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state):
                 lsum += np.float64(pj)
             l[t, h, part, g] = lsum
             m[t, h, part, g] = m_new
-            for e in range(d):
+            for e in range(dv):
                 acc[t, h, part, g, e] *= corr
                 ag[g, e] = 0.0
-        for j in range(n):  # the page's sum of p V, keys in order; each V row read once
-            vrow = vf[j0 + j]
-            for e in range(d):
-                vt[e] = to_f32(vrow[e], fmt)
+        if v_in_k:  # V = K's first dv rows of K^T: per (g, e) the same sum, keys in order
             for g in range(n_grp):
-                pj = p[g, j]
+                for e in range(dv):
+                    ke = kf[e]
+                    a_ge = ag[g, e]
+                    for j in range(n):
+                        a_ge += p[g, j] * to_f32(ke[j0 + j], fmt)
+                    ag[g, e] = a_ge
+        else:
+            for j in range(n):  # the page's sum of p V, keys in order; each V row read once
+                vrow = vf[j0 + j]
                 for e in range(d):
-                    ag[g, e] += pj * vt[e]
+                    vt[e] = to_f32(vrow[e], fmt)
+                for g in range(n_grp):
+                    pj = p[g, j]
+                    for e in range(d):
+                        ag[g, e] += pj * vt[e]
         for g in range(n_grp):
-            for e in range(d):
+            for e in range(dv):
                 acc[t, h, part, g, e] += np.float64(ag[g, e])
         # a mapped page is verified by its last reader, right after folding it (from L1/L2)
         if src[h, i] == SRC_MAP and _last_reader(t, qpos, window, start + n_valid - 1):
@@ -233,7 +249,8 @@ def fold_pages(q, qpos, slabs, walk, span, score, state):
     covers tokens [g P, min((g+1) P, context)), partition g // split. score = (scale f32,
     softcap f32 (0 = none), alibi (H, G) f32 slopes (0 = none), window (0 = none), fmt (the
     storage format marker, storage.FORMATS)). q: (T, H, G, D) f32 queries at positions qpos (T,).
-    state = (m, l: (T, H, NPART, G) f64, acc: (T, H, NPART, G, D) f64), updated in place.
+    state = (m, l: (T, H, NPART, G) f64, acc: (T, H, NPART, G, Dv) f64), updated in place;
+    Dv = D, or with V slabs of width 0 the first Dv rows of each K^T page are its V.
     """
     a, b = span[3], span[4]
     pairs = q.shape[0] * q.shape[2] * (b - a) * slabs[0].shape[2]
@@ -318,7 +335,8 @@ def fold_pages_numpy(q, qpos, slabs, walk, span, score, state):
         k_page, v_page = slabs[2 * int(src[h, i])][slot[h, i]], slabs[2 * int(src[h, i]) + 1][
             slot[h, i]]
         kf = widen(np.ascontiguousarray(k_page[:, :n].T), dtype)
-        vf = widen(v_page[:n], dtype)
+        dv = acc.shape[-1]
+        vf = widen(v_page[:n], dtype) if v_page.shape[1] else kf[:, :dv]  # V views K
         keypos = gp * P + np.arange(n)
         for t, pos in enumerate(qpos):
             valid = (keypos <= pos) & ((keypos > pos - window) if window > 0 else True)

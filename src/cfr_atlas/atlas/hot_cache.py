@@ -1,13 +1,14 @@
 """The hot cache: resident K/V pages in one slot pool bounded by a byte budget, with undo.
 
-Storage is one pool of page slots shared by every layer: `k` (slots, head_dim, page_tokens)
-holds K pages transposed (the fold's score loop runs across keys), `v` (slots, page_tokens,
-head_dim) holds V rows, both in the storage dtype. A resident page occupies one whole slot,
-however many rows it holds, so the budget is charged per slot: `held_bytes` = slots held x
-page_bytes. The pool never has more than `capacity` = hot_cache_bytes // page_bytes slots, so
-the bytes really allocated (`allocated_bytes`, the arrays' nbytes) never exceed the budget.
-With `config.preallocate_hot_cache` the whole pool is allocated on first use (once, no copy
-ever); otherwise it grows geometrically up to the capacity (an unbounded cache).
+Storage is one pool of page slots shared by every layer: `k` (slots, head_dim, page_tokens) holds K
+pages transposed (the fold's score loop runs across keys), `v` (slots, page_tokens, head_dim) holds
+V rows, both in the storage dtype; when V is a view of K (`config.value_dim`, MLA) `v` has width 0
+and every V argument is a (n, 0) array. A resident page occupies one whole slot, however many rows
+it holds, so the budget is charged per slot: `held_bytes` = slots held x page_bytes. The pool never
+has more than `capacity` = hot_cache_bytes // page_bytes slots, so the bytes really allocated
+(`allocated_bytes`, the arrays' nbytes) never exceed the budget. With `config.preallocate_hot_cache`
+the whole pool is allocated on first use (once, no copy ever); otherwise it grows geometrically up
+to the capacity (an unbounded cache).
 
 Per layer, three tables indexed [kv_head, page_index] say where a page lives (`slot`, -1 when
 not resident), how many tokens it holds (`tokens`) and when it was last used (`last_use`, a
@@ -93,7 +94,8 @@ class HotCache:
     def _empty_pool(self) -> None:
         dt, D, P = self.config.dtype.array_dtype, self.config.head_dim, self.page_tokens
         self.k = np.zeros((0, D, P), dtype=dt)  # K^T pages
-        self.v = np.zeros((0, P, D), dtype=dt)
+        # V rows; width 0 when V is a view of K (config.value_dim): nothing stored twice
+        self.v = np.zeros((0, P, self.config.stored_value_dim), dtype=dt)
         self.free: list[int] = []
 
     # --- lookups ---------------------------------------------------------------------------

@@ -87,8 +87,8 @@ def _as_bits_ov(a):
 
 @njit(cache=True, inline="always")
 def row_delta(k_row, v_row, j):
-    """Checksum change when token j of a page goes from zero to k_row / v_row (D,) (storage
-    dtype, contiguous); minus it when it goes back to zero. uint32, mod 2**32."""
+    """Checksum change when token j of a page goes from zero to k_row (D,) / v_row (D,) or (0,)
+    (storage dtype, contiguous); minus it when it goes back to zero. uint32, mod 2**32."""
     d = k_row.shape[0]
     kb, vb = _as_bits(k_row), _as_bits(v_row)
     shift = np.uint64((j & 1) * 16) if k_row.itemsize == 2 else np.uint64(0)
@@ -96,6 +96,7 @@ def row_delta(k_row, v_row, j):
     v_sum = np.uint64(0)
     for e in range(d):
         s += np.uint64(_weight(e)) * (np.uint64(kb[e]) << shift)  # K^T row e, column j
+    for e in range(v_row.shape[0]):  # D, or 0 when V is a view of K (no V row stored)
         v_shift = np.uint64((e & 1) * 16) if v_row.itemsize == 2 else np.uint64(0)
         v_sum += np.uint64(vb[e]) << v_shift
     s += np.uint64(_weight(d + j)) * (v_sum & np.uint64(_MASK))  # V row j

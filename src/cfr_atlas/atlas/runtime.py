@@ -55,6 +55,7 @@ class KvRegenerator(Protocol):
 
         k_out, v_out: (len(tokens), head_dim) float32 (rounded by the runtime to the storage
         dtype); both must be fully overwritten (rows left untouched are detected as NaN).
+        When V is a view of K (config.value_dim), v_out is (len(tokens), 0): nothing to write.
         """
 
 
@@ -126,12 +127,13 @@ class Atlas:
         self.cache = HotCache(config)
         dt = config.dtype.array_dtype
         P, D, C = config.page_tokens, config.head_dim, config.scratch_pages
+        Dv = config.stored_value_dim  # D, or 0 when V is a view of K
         self._scratch_k = np.zeros((C, D, P), dtype=dt)  # K^T, like the slab
-        self._scratch_v = np.zeros((C, P, D), dtype=dt)
+        self._scratch_v = np.zeros((C, P, Dv), dtype=dt)
         # Regenerators write float32 rows here; they are rounded (and K transposed) into scratch.
         self._stage_k = np.zeros((P, D), dtype=np.float32)
-        self._stage_v = np.zeros((P, D), dtype=np.float32)
-        self._no_map = (np.zeros((0, D, P), dtype=dt), np.zeros((0, P, D), dtype=dt))
+        self._stage_v = np.zeros((P, Dv), dtype=np.float32)
+        self._no_map = (np.zeros((0, D, P), dtype=dt), np.zeros((0, P, Dv), dtype=dt))
         self._fmt = format_of(config.dtype)
         self._scratch_used = False
         self._tick = 0
@@ -143,7 +145,8 @@ class Atlas:
     # --- public API ------------------------------------------------------------------------
     def attend(self, backend: KvRegenerator, request: AttentionRequest, policy=None,
                out: np.ndarray | None = None) -> np.ndarray:
-        """Exact attention for one K/V head; returns an array shaped like the query (float32)."""
+        """Exact attention for one K/V head; returns an array shaped like the query (float32),
+        its last axis the V width (config.out_dim)."""
         q = request.query
         if not isinstance(q, np.ndarray) or q.ndim not in (1, 2, 3):
             raise DimensionError("query must be a NumPy array of shape (head_dim,), "
@@ -155,13 +158,14 @@ class Atlas:
         alibi = None if request.alibi_slope is None else \
             np.asarray(request.alibi_slope, dtype=np.float32)[None]
         sinks = None if request.sink is None else np.asarray(request.sink, dtype=np.float32)[None]
+        out_shape = q.shape[:-1] + (self.config.out_dim,)
         if out is not None:
-            self._check_out(out, q.shape)
+            self._check_out(out, out_shape)
         result = self.attend_heads(backend, request.layer, [request.kv_head], q4,
                                    request.context_tokens, policy, scale=request.scale,
                                    softcap=request.softcap, alibi=alibi, window=request.window,
                                    sinks=sinks)
-        result = result.reshape(q.shape)
+        result = result.reshape(out_shape)
         if out is None:
             return result
         out[...] = result
@@ -173,7 +177,8 @@ class Atlas:
         """Exact attention for several K/V heads of one layer in one fold.
 
         query: (T, H, G, D) f32 for the H heads in `kv_heads`; alibi, sinks: (H, G) or None.
-        Returns (T, H, G, D) f32. Bitwise equal to H separate `attend` calls.
+        Returns (T, H, G, Dv) f32 (Dv = config.out_dim). Bitwise equal to H separate `attend`
+        calls.
         """
         cfg = self.config
         layer = _check_index("layer", layer, 1 << 20)
@@ -196,7 +201,7 @@ class Atlas:
         sinks = _per_head("sink", sinks, n_head, n_grp, np.nan) if sinks is not None else \
             np.full((n_head, n_grp), np.nan, dtype=np.float32)
         if out is not None:
-            self._check_out(out, q.shape)
+            self._check_out(out, q.shape[:3] + (cfg.out_dim,))
         policy = KeepAll() if policy is None else policy
 
         self._tick += 1
@@ -233,9 +238,11 @@ class Atlas:
         session that hands the same rows to its page file first)."""
         layer = _check_index("layer", layer, 1 << 20)
         start = _check_index("start_token", start_token)
-        if k_st.dtype != self.config.dtype.array_dtype or k_st.shape != v_st.shape:
-            raise DimensionError(f"stored rows must be {self.config.dtype.array_dtype} of one "
-                                 f"shape, got {k_st.dtype} {k_st.shape} and {v_st.shape}")
+        if k_st.dtype != self.config.dtype.array_dtype or v_st.shape != k_st.shape[:2] + (
+                self.config.stored_value_dim,):
+            raise DimensionError(f"stored rows must be {self.config.dtype.array_dtype}, K and V "
+                                 f"of {self.config.head_dim} and {self.config.stored_value_dim} "
+                                 f"columns, got {k_st.dtype} {k_st.shape} and {v_st.shape}")
         heads = list(range(k_st.shape[1])) if kv_heads is None else [
             _check_index("kv_head", h, 1 << 16) for h in kv_heads]
         if len(heads) != k_st.shape[1]:
@@ -265,10 +272,11 @@ class Atlas:
         to the storage dtype: what any later read sees. Callers writing elsewhere first, like a
         page file, take the rows from here, so they are checked and rounded once."""
         cfg, out = self.config, []
-        for name, rows in (("k_rows", k_rows), ("v_rows", v_rows)):
-            if not isinstance(rows, np.ndarray) or rows.ndim != 3 or rows.shape[2] != cfg.head_dim \
-                    or rows.shape != k_rows.shape:
-                raise DimensionError(f"{name} must be (tokens, heads, {cfg.head_dim}) like k_rows, "
+        for name, rows, width in (("k_rows", k_rows, cfg.head_dim),
+                                  ("v_rows", v_rows, cfg.stored_value_dim)):
+            if not isinstance(rows, np.ndarray) or rows.ndim != 3 or rows.shape[2] != width \
+                    or rows.shape[:2] != k_rows.shape[:2]:
+                raise DimensionError(f"{name} must be (tokens, heads, {width}) like k_rows, "
                                      f"got {getattr(rows, 'shape', None)}")
             if not np.isfinite(rows).all():
                 raise NumericError(f"{name} for tokens from {start} are not finite")
@@ -310,6 +318,13 @@ class Atlas:
             self._stage_k.fill(0)
             self._stage_v.fill(0)
         return k_st, v_st
+
+    def record(self, counters: Counters) -> None:
+        """A call made outside `attend_heads` (a sparse fold, atlas/sparse.py): its counters
+        become the last call's and join the totals."""
+        self._tick += 1
+        self._last = counters
+        self._total.add(counters)
 
     def reset(self) -> None:
         """Drop every resident page (counters are kept)."""
@@ -367,13 +382,13 @@ class Atlas:
                   out):
         cfg, c = self.config, self._last
         P, split = cfg.page_tokens, cfg.split_pages
-        n_tok, n_head, n_grp, D = q.shape
+        n_tok, n_head, n_grp, _ = q.shape
         n_pages = page_count(context, P)
         lo = first_page(context - n_tok - win + 1, P) if win else 0
         n_part = -(-n_pages // split)
         m = np.full((n_tok, n_head, n_part, n_grp), -np.inf, dtype=np.float64)
         l = np.zeros((n_tok, n_head, n_part, n_grp), dtype=np.float64)
-        acc = np.zeros((n_tok, n_head, n_part, n_grp, D), dtype=np.float64)
+        acc = np.zeros((n_tok, n_head, n_part, n_grp, cfg.out_dim), dtype=np.float64)
         qpos = np.arange(context - n_tok, context, dtype=np.int64)
 
         lay = self.cache.tables(layer, max(heads) + 1, n_pages)
@@ -416,7 +431,8 @@ class Atlas:
         self._check_walk(layer, heads, starts, lens, src, bad)
         c.hot_hits += int(hot.sum())
         t0 = time.perf_counter()
-        result = out if out is not None else np.empty(q.shape, dtype=np.float32)
+        result = out if out is not None else np.empty(q.shape[:3] + (cfg.out_dim,),
+                                                       dtype=np.float32)
         fold.merge_partitions(m, l, acc, sinks, result)
         c.fold_seconds += t_fold + time.perf_counter() - t0
         c.pages_folded += n_head * n_pg

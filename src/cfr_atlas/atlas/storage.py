@@ -75,6 +75,8 @@ def round_rows(rows: np.ndarray, dtype: StorageDtype, out: np.ndarray | None = N
 def widen(stored: np.ndarray, dtype: StorageDtype) -> np.ndarray:
     """stored: (..., D) in `dtype.array_dtype` -> float32 copy (exact)."""
     out = np.empty(stored.shape, dtype=np.float32)
+    if out.size == 0:  # e.g. the (n, 0) V rows of a K/V stream whose V is a view of K
+        return out
     widen_into(stored.reshape(-1, stored.shape[-1]) if stored.ndim else stored.reshape(1, 1),
                format_of(dtype), out.reshape(-1, out.shape[-1]) if out.ndim else out.reshape(1, 1))
     return out
@@ -166,12 +168,14 @@ def stage_f32(k_rows, v_rows, kt_out, v_out):
     """float32 storage: copy rows (n, D) into a scratch page, K transposed (D, n), V as rows;
     returns False if any value is not finite (all-ones exponent), the caller then raises."""
     n, d = k_rows.shape
+    dv = v_rows.shape[1]  # d, or 0 when V is a view of K
     kb, vb = k_rows.view(np.uint32), v_rows.view(np.uint32)
     exp_mask = np.uint32(0x7F800000)
     bad = np.uint32(0)
     for j in range(n):
         for e in range(d):  # an integer OR-reduction: vectorizes, and it is exact
             bad |= np.uint32((kb[j, e] & exp_mask) == exp_mask)
+        for e in range(dv):
             bad |= np.uint32((vb[j, e] & exp_mask) == exp_mask)
     for e in range(d):
         for j in range(n):

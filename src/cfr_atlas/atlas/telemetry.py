@@ -24,6 +24,7 @@ class Counters:
     tokens_consumed: int = 0
     bytes_regenerated: int = 0
     bytes_mapped: int = 0  # of those, read in place from a regenerator's mapping (page file)
+    pages_skipped: int = 0  # causal pages a sparse selection did not read (atlas/sparse.py)
     regen_seconds: float = 0.0
     fold_seconds: float = 0.0
 

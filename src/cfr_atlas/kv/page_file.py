@@ -8,11 +8,12 @@ File layout (little-endian), sized for the sequence's context limit when it is c
 sparse file: blocks are allocated page by page, `posix_fallocate`, as rows arrive, so a full
 disk is an error on write, never a fault on a mapped store):
 
-    header (4096 B): magic b"CFRKVPG2", version u32, page_tokens u32, head_dim u32, itemsize u32,
-                     n_layers u32, n_kv_heads u32, pages per head u32, sequence id (16 B),
-                     model identity (first 16 B of its SHA-256)
+    header (4096 B): magic b"CFRKVPG3", version u32, page_tokens u32, head_dim u32, itemsize u32,
+                     n_layers u32, n_kv_heads u32, pages per head u32, value width u32 (head_dim,
+                     or 0 when V is a view of K, MLA), sequence id (16 B), model identity (first
+                     16 B of its SHA-256)
     K slab: slot s = (layer * n_kv_heads + kv_head) * pages + page, K^T (head_dim, page_tokens)
-    V slab: the same slots, V (page_tokens, head_dim)
+    V slab: the same slots, V (page_tokens, value width); empty when the width is 0
 
 One layer's pages of one head are one sequential range in each slab, in fold order. Rows not
 yet written are zero. The page tables (rows held, checksum of each page, page_sum.py) live in
@@ -56,8 +57,8 @@ from cfr_atlas.errors import CapacityError, CorruptPageError
 from cfr_atlas.kv.block_dir import FILE_MODE, FOLDER_MODE
 from cfr_atlas.kv.file_lock import hold_lock, remove_if_abandoned
 
-MAGIC, VERSION = b"CFRKVPG2", 2
-_FILE_HDR = struct.Struct("<8sIIIIIII16s16s")
+MAGIC, VERSION = b"CFRKVPG3", 3
+_FILE_HDR = struct.Struct("<8sIIIIIIII16s16s")
 HDR_BYTES = 4096  # the slabs start page-aligned
 
 
@@ -127,14 +128,17 @@ class SpillKv:
 
     def __init__(self, folder: str | os.PathLike | None, page_tokens: int, head_dim: int,
                  dtype: StorageDtype, model_id: str, *, n_layers: int, n_kv_heads: int,
-                 context_tokens: int):
+                 context_tokens: int, value_dim: int | None = None):
         self.folder = Path(folder).expanduser() if folder else default_cache_dir()
         self.page_tokens, self.head_dim, self.dtype = page_tokens, head_dim, dtype
+        # stored V width: head_dim, or 0 when V is a view of K (AtlasConfig.stored_value_dim)
+        self.value_dim = head_dim if value_dim is None else value_dim
         self.n_layers, self.n_kv_heads = n_layers, n_kv_heads
         self.n_pages = page_count(context_tokens, page_tokens)
         n_slots = n_layers * n_kv_heads * self.n_pages
-        self.page_bytes = page_tokens * head_dim * dtype.itemsize  # one of K or V
-        self.file_bytes = HDR_BYTES + 2 * n_slots * self.page_bytes
+        self.page_bytes = page_tokens * head_dim * dtype.itemsize  # one K page
+        self.v_page_bytes = page_tokens * self.value_dim * dtype.itemsize  # one V page
+        self.file_bytes = HDR_BYTES + n_slots * (self.page_bytes + self.v_page_bytes)
         self.fd = -1
         if not (hasattr(os, "posix_fallocate") and hasattr(mmap, "MAP_SHARED")):
             raise CapacityError("the spill page file needs Linux (posix_fallocate, shared "
@@ -149,7 +153,8 @@ class SpillKv:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE)
             hold_lock(self.fd)  # before the header: clean-up spares young empty files
             header = _FILE_HDR.pack(MAGIC, VERSION, page_tokens, head_dim, dtype.itemsize,
-                                    n_layers, n_kv_heads, self.n_pages, self.seq_id, model_tag)
+                                    n_layers, n_kv_heads, self.n_pages, self.value_dim,
+                                    self.seq_id, model_tag)
             self._pwrite(header.ljust(HDR_BYTES, b"\0"), 0)
             os.ftruncate(self.fd, self.file_bytes)  # sparse: no blocks until rows arrive
             self._mm = mmap.mmap(self.fd, self.file_bytes, flags=mmap.MAP_SHARED)
@@ -164,9 +169,9 @@ class SpillKv:
         dt = dtype.array_dtype
         self._k = np.frombuffer(self._mm, dtype=dt, count=n_slots * head_dim * page_tokens,
                                 offset=HDR_BYTES).reshape(shape)
-        self._v = np.frombuffer(self._mm, dtype=dt, count=n_slots * head_dim * page_tokens,
+        self._v = np.frombuffer(self._mm, dtype=dt, count=n_slots * self.value_dim * page_tokens,
                                 offset=HDR_BYTES + n_slots * self.page_bytes
-                                ).reshape(n_slots, page_tokens, head_dim)
+                                ).reshape(n_slots, page_tokens, self.value_dim)
         # per slot, as (n_layers, n_kv_heads, pages) views: rows held, checksum (page_sum.py)
         self.tokens = np.zeros(n_slots, dtype=np.int64)
         self.sums = np.zeros(n_slots, dtype=np.uint32)
@@ -177,7 +182,7 @@ class SpillKv:
         self._all_heads = np.arange(n_kv_heads, dtype=np.int64)
         self._all_heads_bytes = self._all_heads.tobytes()
         self._ahead: dict[int, tuple[int, list]] = {}  # layer -> (pages, read-ahead ranges)
-        self._row_bytes = 2 * head_dim * dtype.itemsize  # one token's K + V row
+        self._row_bytes = (head_dim + self.value_dim) * dtype.itemsize  # one token's K + V
         self.bytes_written = 0
         self.bytes_read = 0  # by `regenerate_page` (copies); the fold's reads are the Atlas's
 
@@ -212,7 +217,7 @@ class SpillKv:
             head, page = divmod(int(gap), 1 << 32)
             raise CorruptPageError(f"{PageKey(layer, head, page * self.page_tokens)}: rows must "
                                    f"be appended in order (writing token {pos0})")
-        self.bytes_written += 2 * k_st.size * self.dtype.itemsize
+        self.bytes_written += (k_st.size + v_st.size) * self.dtype.itemsize
 
     def allocations(self) -> dict[str, int]:
         """Nothing of the budget: the pages live in the OS page cache (file-backed)."""
@@ -226,12 +231,11 @@ class SpillKv:
         here, as an error, not as a SIGBUS on a store into a hole of the mapping)."""
         have = self._reserved[layer]
         for s in self._slots3[layer, :, 0].tolist():
-            for slab in (0, len(self.tokens)):  # K, then V
+            for base, size in self._slabs():
                 try:
-                    os.posix_fallocate(self.fd, HDR_BYTES + (slab + s + have) * self.page_bytes,
-                                       (pages - have) * self.page_bytes)
+                    os.posix_fallocate(self.fd, base + (s + have) * size, (pages - have) * size)
                 except OSError as e:
-                    raise CapacityError(f"reserving {(pages - have) * self.page_bytes:,} bytes "
+                    raise CapacityError(f"reserving {(pages - have) * size:,} bytes "
                                         f"in page file {self.path}: {e.strerror}; is the disk "
                                         "full?") from None
         self._reserved[layer] = pages
@@ -294,7 +298,7 @@ class SpillKv:
             raise CorruptPageError(f"{key}: checksum mismatch in {self.path}")
         k_out[...] = widen(np.ascontiguousarray(k_page[:, :n].T), self.dtype)
         v_out[...] = widen(v_page[:n], self.dtype)
-        self.bytes_read += 2 * n * self.head_dim * self.dtype.itemsize
+        self.bytes_read += n * self._row_bytes
 
     def _ranges(self, layer: int) -> list[tuple[int, int]]:
         """(offset, length) of `layer`'s written pages: per head, one range in each slab
@@ -303,10 +307,16 @@ class SpillKv:
         cached = self._ahead.get(layer)
         if cached is None or cached[0] != pages:
             cached = self._ahead[layer] = (pages, [
-                (HDR_BYTES + (slab + s) * self.page_bytes, pages * self.page_bytes)
-                for s in self._slots3[layer, :, 0].tolist() for slab in (0, len(self.tokens))
+                (base + s * size, pages * size)
+                for s in self._slots3[layer, :, 0].tolist() for base, size in self._slabs()
                 if pages])
         return cached[1]
+
+    def _slabs(self) -> list[tuple[int, int]]:
+        """(file offset, bytes per page) of the K slab, then the V slab when V is stored."""
+        k = (HDR_BYTES, self.page_bytes)
+        v = (HDR_BYTES + len(self.tokens) * self.page_bytes, self.v_page_bytes)
+        return [k, v] if self.v_page_bytes else [k]
 
     # --- out of core -------------------------------------------------------------------------
     def evict_page_cache(self) -> None:

@@ -1,15 +1,16 @@
 """Which model class runs which GGUF `general.architecture`: one table, no isinstance switches.
 
 Every family class takes a `GGUFFile` and offers the same surface to sessions, generation and
-the regenerators: `config` (n_layers, n_kv_heads, head_dim, dim, vocab_size, context_length,
-`kv_bytes(n_tokens, itemsize)`, `window(layer)`), `forward_chunk`, `forward_batch`, `embed`,
-`head_kv`.
+the regenerators: `config` (n_layers, n_kv_heads, head_dim, value_dim (None, or V is a view of
+K's first columns), dim, vocab_size, context_length, `kv_bytes(n_tokens, itemsize)`,
+`window(layer)`), `forward_chunk`, `forward_batch`, `embed`, `head_kv`.
 This module holds only the table and the two look-ups.
 """
 
 from __future__ import annotations
 
 from cfr_atlas.errors import ConfigError, UnsupportedArchitectureError
+from cfr_atlas.models.deepseek2 import DeepSeek2Config, DeepSeek2Model
 from cfr_atlas.models.gemma3 import Gemma3Config, Gemma3Model
 from cfr_atlas.models.gguf_io import GGUFFile
 from cfr_atlas.models.llama import LlamaConfig, LlamaModel
@@ -22,6 +23,7 @@ FAMILIES = {
     "qwen3moe": (LlamaModel, LlamaConfig),
     "olmoe": (LlamaModel, LlamaConfig),
     "gemma3": (Gemma3Model, Gemma3Config),
+    "deepseek2": (DeepSeek2Model, DeepSeek2Config),  # MLA: one latent K/V stream per layer
 }
 
 

@@ -63,6 +63,11 @@ class Gemma3Config:
     def group(self) -> int:
         return self.n_heads // self.n_kv_heads
 
+    @property
+    def value_dim(self) -> None:
+        """V rows are stored beside K (not a view of K, as MLA's latent is)."""
+        return None
+
     def is_local(self, layer: int) -> bool:
         """True for sliding-window layers (5 of every `swa_pattern`)."""
         return layer % self.swa_pattern < self.swa_pattern - 1

@@ -90,6 +90,11 @@ class LlamaConfig:
     def group(self) -> int:
         return self.n_heads // self.n_kv_heads
 
+    @property
+    def value_dim(self) -> None:
+        """V rows are stored beside K (not a view of K, as MLA's latent is)."""
+        return None
+
     def kv_bytes_per_token(self, itemsize: int = 2) -> int:
         """K + V bytes one token adds across all layers (2 = float16, the default storage)."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * itemsize

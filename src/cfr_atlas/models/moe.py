@@ -7,6 +7,8 @@ MoE, as llama.cpp's build_moe_ffn computes it for qwen2moe, qwen3moe, olmoe and 
     w   = p[top], then w / max(sum(w), 2^-14) where the architecture renormalizes (NORM_TOPK)
     y   = sum over ranks r = 0..k-1, in that order, of w_r * down_e(silu(gate_e h) * up_e h)
     qwen2moe adds its shared expert: y += sigmoid(gate_inp_shexp . h) * shared_ffn(h)
+    deepseek2: w scaled by expert_weights_scale; V3 gates by sigmoid with a selection bias;
+    its shared experts are added ungated: y += shared_ffn(h)
 
 Each expert runs once over the rows routed to it; every kernel is row-independent (a row's
 bits do not depend on which rows share its call), so the result per token is the same for any
@@ -55,10 +57,14 @@ def softmax_rows(x: np.ndarray) -> np.ndarray:
     return e / s[:, None]
 
 
-def route(logits: np.ndarray, k: int, norm: bool, scale: float | None = None):
-    """Router logits (T, E) float32 -> (top (T, k) int64 expert ids, w (T, k) float32)."""
-    p = softmax_rows(logits)
-    top = np.argsort(-p, axis=1, kind="stable")[:, :k]
+def route(logits: np.ndarray, k: int, norm: bool, scale: float | None = None, *,
+          sigmoid: bool = False, bias: np.ndarray | None = None):
+    """Router logits (T, E) float32 -> (top (T, k) int64 expert ids, w (T, k) float32).
+
+    sigmoid: p = sigmoid(logits) instead of softmax (DeepSeek V3's gating); bias (E,) f32: added
+    to p for choosing the top k only (exp_probs_b), the weights stay p's."""
+    p = (np.float32(1) / (np.float32(1) + np.exp(-logits))) if sigmoid else softmax_rows(logits)
+    top = np.argsort(-(p if bias is None else p + bias), axis=1, kind="stable")[:, :k]
     w = np.take_along_axis(p, top, axis=1)
     if norm:
         s = w[:, 0].copy()
@@ -74,14 +80,16 @@ class MoeFfn:
     """One layer's MoE block; see the module docstring. `store` serves the routed experts."""
 
     def __init__(self, layer: int, router: QuantWeight, k: int, norm: bool, store,
-                 shared: DenseFfn | None = None, shared_gate: QuantWeight | None = None):
+                 shared: DenseFfn | None = None, shared_gate: QuantWeight | None = None, *,
+                 routing: dict | None = None):
         self.layer, self.router, self.k, self.norm = layer, router, k, norm
         self.store, self.shared, self.shared_gate = store, shared, shared_gate
+        self.routing = routing or {}  # route()'s scale / sigmoid / bias (deepseek2)
         self.next_router: QuantWeight | None = None  # the next layer's, for read-ahead
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
         T, dim = h.shape
-        top, w = route(self.router.matmul(h), self.k, self.norm)
+        top, w = route(self.router.matmul(h), self.k, self.norm, **self.routing)
         self.store.record_routing(self.layer, top)
         if self.next_router is not None and self.store.bounded:
             self._read_ahead(h)
@@ -94,7 +102,9 @@ class MoeFfn:
         out = ys[:, 0] * w[:, :1]
         for r in range(1, self.k):  # expert outputs summed in rank order
             out += ys[:, r] * w[:, r:r + 1]
-        if self.shared is not None:
+        if self.shared is not None and self.shared_gate is None:  # deepseek2: plain sum
+            out += self.shared(h)
+        elif self.shared is not None:
             g = self.shared_gate.matmul(h)  # (T, 1)
             out += self.shared(h) * (np.float32(1) / (np.float32(1) + np.exp(-g)))
         return out
@@ -104,7 +114,7 @@ class MoeFfn:
         """Predict the next layer's experts by its router on this layer's input (the residual
         stream changes little between layers) and let the store read them ahead; affects
         speed only (nothing computed here reaches the output)."""
-        predicted, _ = route(self.next_router.matmul(h), self.k, self.norm)
+        predicted, _ = route(self.next_router.matmul(h), self.k, self.norm, **self.routing)
         self.store.prefetch(self.layer + 1, np.unique(predicted))
 
 

@@ -6,7 +6,9 @@ sequence's K/V (`fixed_kv_bytes`: scratch, staging rows, page-file read buffers,
 kept inputs for `context_limit` tokens; then prefix blocks held; the hot cache's slot pool
 gets the rest and is allocated once). The rest of the K/V comes back from the regenerator
 ("spill": the sequence's page file, written as rows are computed). Both run the same fold in
-the same page order, so logits are bitwise equal. `allocations()` measures what is held, by
+the same page order, so logits are bitwise equal. The one exception is opt-in and labelled:
+regenerator "turboquant" keeps cold rows through a lossy codec (kv/turboquant.py), and its
+telemetry says `approximate: True`. `allocations()` measures what is held, by
 category, from the arrays themselves. A budget is bytes ("16MiB") or a share of the full K/V
 at `context_limit` ("10%"), made bytes in one place, `resolve_kv_budget`. K/V rows are stored
 as `storage_dtype`, float16 unless asked otherwise (`DEFAULT_STORAGE_DTYPE`; "float32" and
@@ -24,6 +26,7 @@ from cfr_atlas.atlas.pages import page_count
 from cfr_atlas.atlas.storage import DEFAULT_STORAGE_DTYPE
 from cfr_atlas.errors import ConfigError, RegeneratorError
 from cfr_atlas.kv import SpillKv
+from cfr_atlas.kv.turboquant import TurboQuantKv
 from cfr_atlas.models.prefix import BlockBuilder, BlockSource, check_salt, held_bytes, salted_root
 from cfr_atlas.models.recompute import RecomputeKv
 
@@ -96,15 +99,19 @@ def fixed_kv_bytes(config, *, regenerator: str = "spill", page_tokens: int = 256
     in place from the page file's mapping (the OS page cache, file-backed memory).
     """
     probe = AtlasConfig(page_tokens=page_tokens, head_dim=config.head_dim,
-                        storage_dtype=storage_dtype)
+                        storage_dtype=storage_dtype, value_dim=config.value_dim)
     limit = config.context_length if context_limit is None else context_limit
     out = {"scratch": probe.scratch_pages * probe.page_bytes,
            "staging": probe.scratch_bytes - probe.scratch_pages * probe.page_bytes}
     if regenerator == "recompute":
         out["recompute_inputs"] = limit * config.n_layers * config.dim * 4
+    elif regenerator == "turboquant":  # lossy, opt-in: the encoded rows of the whole limit
+        out["codec_rows"] = TurboQuantKv.bytes_for(config.n_layers, config.n_kv_heads,
+                                                   config.head_dim, probe.stored_value_dim,
+                                                   limit)
     elif regenerator != "spill":
         raise ConfigError("regenerator", f"unknown regenerator {regenerator!r} "
-                                         "(choose: spill, recompute)")
+                                         "(choose: spill, recompute, or the lossy turboquant)")
     return out
 
 
@@ -150,8 +157,12 @@ class Session:
         self.model = model
         check_salt(cache_salt)  # keys the prefix blocks: other salts never share one
         self.context_limit = c.context_length if context_limit is None else context_limit
+        # value_dim: None, or V is a view of K's first columns (MLA's latent, one shared head)
         self._geometry = dict(page_tokens=page_tokens, head_dim=c.head_dim,
-                              storage_dtype=storage_dtype)
+                              storage_dtype=storage_dtype, value_dim=c.value_dim)
+        if prefix is not None and c.value_dim is not None:
+            raise ConfigError("prefix_cache", f"{c.arch} keeps a latent K/V stream; the prefix "
+                                              "cache does not hold one yet")
         self.budget = None if kv_budget is None else resolve_kv_budget(
             kv_budget, full_kv_bytes(c, self.context_limit, storage_dtype))
         self.fixed = {} if self.budget is None else fixed_kv_bytes(
@@ -179,9 +190,17 @@ class Session:
             self.backend = SpillKv(cache_dir, page_tokens, c.head_dim,
                                    self.atlas.config.dtype, model.identity,
                                    n_layers=c.n_layers, n_kv_heads=c.n_kv_heads,
-                                   context_tokens=self.context_limit)
+                                   context_tokens=self.context_limit,
+                                   value_dim=self.atlas.config.stored_value_dim)
+        elif regenerator == "turboquant":  # LOSSY (kv/turboquant.py): outputs are approximate
+            self.backend = TurboQuantKv(self.atlas.config.dtype, n_layers=c.n_layers,
+                                        n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                                        value_dim=self.atlas.config.stored_value_dim,
+                                        capacity=self.context_limit)
         else:
             self.backend = RecomputeKv(model, capacity_tokens=self.context_limit)
+        # True only when a lossy regenerator serves cold pages: every output is then labelled
+        self.approximate = bool(getattr(self.backend, "approximate", False))
         self.n_tokens = 0
         self.token_ids: list[int] = []
         self.cached_tokens = 0
@@ -298,6 +317,7 @@ class Session:
             "full_kv_bytes": c.kv_bytes(self.n_tokens, self.atlas.config.dtype.itemsize),
             "pages_regenerated": t.total.regenerations,
             "prompt_cached_tokens": self.cached_tokens,
+            "approximate": self.approximate,
             "hot_hit_rate": t.total.hit_rate,
             "regen_seconds": t.total.regen_seconds,
             "fold_seconds": t.total.fold_seconds,

@@ -7,13 +7,26 @@ attention (those live in quant/, kv/ and atlas/).
 """
 
 from cfr_atlas.ops.activations import geglu, gelu, silu, softcap, swiglu
+from cfr_atlas.ops.block_select import block_means, block_select
+from cfr_atlas.ops.indexer import lightning_indexer_topk
 from cfr_atlas.ops.norm import rms_norm, rms_norm_per_head
-from cfr_atlas.ops.rope import RopeMode, apply_rope, rope_cos_sin, rope_freqs, rotate
+from cfr_atlas.ops.rope import (
+    RopeMode,
+    apply_rope,
+    rope_cos_sin,
+    rope_freqs,
+    rotate,
+    yarn_freqs,
+)
+from cfr_atlas.ops.wht import wht
 
 __all__ = [
     "RopeMode",
     "apply_rope",
+    "block_means",
+    "block_select",
     "geglu",
+    "lightning_indexer_topk",
     "gelu",
     "rms_norm",
     "rms_norm_per_head",
@@ -23,4 +36,6 @@ __all__ = [
     "silu",
     "softcap",
     "swiglu",
+    "wht",
+    "yarn_freqs",
 ]

@@ -11,7 +11,8 @@ Batch invariance: an angle is computed in float64 as pos * freq[i], a pure funct
 (position, frequency), then cos/sin are rounded to float32; never accumulated across positions.
 The rotation is elementwise float32, so a token's result does not depend on its neighbours.
 (ggml instead builds theta^(-2i/n) by repeated float32 multiplication, so values can differ
-from llama.cpp by an ulp.) It does not hold YaRN/LongRoPE ramps or attention scaling.
+from llama.cpp by an ulp.) `yarn_freqs` holds YaRN's ramp between interpolated and extrapolated
+frequencies (deepseek2); its attention factor is the model's. No LongRoPE.
 """
 
 from __future__ import annotations
@@ -58,6 +59,37 @@ def rope_freqs(
     if not np.all(np.isfinite(ff) & (ff > 0)):
         raise ConfigError("freq_factors", "entries must be finite and > 0")
     return freqs / ff.astype(np.float64)
+
+
+def yarn_freqs(n_rot: int, *, theta: float, freq_scale: float, n_ctx_orig: int,
+               beta_fast: float = 32.0, beta_slow: float = 1.0,
+               ext_factor: float = 1.0) -> np.ndarray:
+    """-> (n_rot // 2,) float64 YaRN frequencies, as ggml's rope_yarn mixes them.
+
+    Pair i's extrapolated frequency is f_i = theta^(-2i / n_rot), its interpolated one
+    freq_scale * f_i; a ramp over the pairs keeps the fast pairs (i below the correction
+    dimension of beta_fast rotations in n_ctx_orig) extrapolated and the slow ones (past that of
+    beta_slow) interpolated, linear between:
+        corr(b) = n_rot * ln(n_ctx_orig / (2 pi b)) / (2 ln theta)
+        lo = max(0, floor(corr(beta_fast))),  hi = min(n_rot - 1, ceil(corr(beta_slow)))
+        mix_i = ext_factor * (1 - clip((i - lo) / max(0.001, hi - lo), 0, 1))
+        freq_i = freq_scale f_i (1 - mix_i) + f_i mix_i
+    The attention factor (ggml's mscale on cos and sin) is the caller's.
+    """
+    base = rope_freqs(n_rot, theta=theta)
+    if not (isinstance(n_ctx_orig, int) and n_ctx_orig >= 1):
+        raise ConfigError("n_ctx_orig", f"must be a positive integer, got {n_ctx_orig!r}")
+    if not (math.isfinite(freq_scale) and freq_scale > 0.0):
+        raise ConfigError("freq_scale", f"must be a finite number > 0, got {freq_scale}")
+
+    def corr(rotations: float) -> float:
+        return n_rot * math.log(n_ctx_orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo = max(0.0, math.floor(corr(beta_fast)))
+    hi = min(n_rot - 1.0, math.ceil(corr(beta_slow)))
+    i = np.arange(n_rot // 2, dtype=np.float64)
+    mix = ext_factor * (1.0 - np.clip((i - lo) / max(0.001, hi - lo), 0.0, 1.0))
+    return freq_scale * base * (1.0 - mix) + base * mix
 
 
 def _positions(positions) -> np.ndarray:
