@@ -178,9 +178,10 @@ def test_read_ahead_of_predicted_experts_is_counted_and_changes_nothing(model, b
     assert np.array_equal(model.logits(IDS, chunk_tokens=5), base[0])
     t = store.telemetry
     assert t.prefetched > 0  # layer 0 predicts layer 1's experts, which are not resident
-    assert 0 < t.prefetch_used <= t.prefetched  # and some of those are then loaded
-    model.net.set_experts(None)
-    assert model.net.experts.telemetry.prefetched == 0 or not model.net.experts.bounded
+    assert 0 < t.prefetch_hits <= t.prefetched  # and some of those are then used
+    assert t.prefetch_bytes_read == t.prefetched * store.source.raw_bytes(1)
+    assert store.prefetcher is not None
+    assert model.net.set_experts(None).prefetcher is None  # all resident: nothing to predict
 
 
 def test_int8_arithmetic_under_a_budget_equals_its_all_resident_run(moe_file):
