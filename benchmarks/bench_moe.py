@@ -61,6 +61,8 @@ def _args(argv):
     p.add_argument("--decode-tokens", type=int, default=8)
     p.add_argument("--budgets", default="100%,50%,25%,min")
     p.add_argument("--policy", default="lru", choices=["lru", "frequency"])
+    p.add_argument("--load-path", action="store_true",
+                   help="only the expert-load table (codec vs one-pass repack, cold and warm)")
     p.add_argument("--quick", action="store_true", help="a tiny model, a few tokens (tests)")
     p.add_argument("--dir", default=None, help="folder for the model file (default: a temp one)")
     p.add_argument("--json", default=None)
@@ -189,6 +191,57 @@ def _table(rows, seq, skew) -> str:
     return "\n".join(out)
 
 
+def _load_path(model, path, a, reps: int = 2) -> list[dict]:
+    """Expert loads alone (no compute), the codec's NumPy repack against the one-pass kernel,
+    cold and warm page cache, interleaved with sequential reads of the same file: wall and CPU
+    seconds of `ExpertStore.write` over the experts of the first two layers."""
+    rows = []
+    for rep in range(reps):
+        seq = sequential_read(path)
+        rows.append({"path": "sequential read", "cache": "cold", "mb": seq["bytes"] / 1e6,
+                     "wall": seq["seconds"], "cpu": None, "loadavg": os.getloadavg()[0]})
+        for one_pass in (False, True):
+            for cache in ("cold", "warm"):
+                store = model.net.set_experts("25%")
+                store.use_prefetch(False)
+                if not one_pass:
+                    store.layouts = [lay._replace(one_pass=(False,) * len(lay.one_pass))
+                                     for lay in store.layouts]
+                keys = [(lay, e) for lay in range(min(2, store.n_layers))
+                        for e in range(store.n_experts)]
+                if cache == "cold":
+                    _drop_cache(model, path)
+                else:  # the same bytes once, to warm the page cache
+                    for key in keys:
+                        for m in store.source.layers[key[0]]:
+                            np.add.reduce(m.block_bytes(key[1])[::4096])
+                t0, c0 = time.perf_counter(), time.thread_time()
+                for i, key in enumerate(keys):
+                    store.write(key, i % store.n_slots)
+                wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+                mb = sum(store.source.raw_bytes(k[0]) for k in keys) / 1e6
+                rows.append({"path": "one-pass" if one_pass else "codec (NumPy)", "cache": cache,
+                             "mb": mb, "wall": wall, "cpu": cpu, "loadavg": os.getloadavg()[0],
+                             "rep": rep})
+    model.net.set_experts(None)
+    return rows
+
+
+def _load_table(rows) -> str:
+    out = ["| repack | cache | MB | wall s | MB/s | vs seq | CPU s | MB per CPU s | load |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    seq = None
+    for r in rows:
+        rate = r["mb"] / r["wall"]
+        if r["path"] == "sequential read":
+            seq = rate
+        cpu = "-" if r["cpu"] is None else f"{r['cpu']:.2f}"
+        per_cpu = "-" if not r["cpu"] else f"{r['mb'] / r['cpu']:.0f}"
+        out.append(f"| {r['path']} | {r['cache']} | {r['mb']:.0f} | {r['wall']:.2f} | "
+                   f"{rate:.0f} | {rate / seq:.2f} | {cpu} | {per_cpu} | {r['loadavg']:.1f} |")
+    return "\n".join(out)
+
+
 def _plot(rows, path) -> None:
     import matplotlib
 
@@ -216,6 +269,9 @@ def main(argv=None) -> int:
         first = {**sequential_read(path), "loadavg": os.getloadavg()[0]}
         model = load_model(path)
         ids = model.tokenize(TEXT * (1 + a.prompt_tokens // 20))[:a.prompt_tokens]
+        if a.load_path:
+            print(_load_table(_load_path(model, path, a)))
+            return 0
         base = _run(model, ids, a.decode_tokens)["digest"]
         skew = [r["skew"] for r in model.experts.telemetry.routing_report()]
         rows = []
@@ -224,12 +280,15 @@ def main(argv=None) -> int:
             for cache in ("warm", "cold"):
                 for prefetch in (False, True):  # interleaved A/B, back to back
                     rows.append(_row(model, path, ids, a, name, budget, cache, prefetch, base))
+        loads = _load_path(model, path, a)
         del model
         last = {**sequential_read(path), "loadavg": os.getloadavg()[0]}
     seq = {"gb_per_s": (first["gb_per_s"] + last["gb_per_s"]) / 2,
            "runs": f"{first['gb_per_s'] * 1e3:.0f} and {last['gb_per_s'] * 1e3:.0f} MB/s at load "
                    f"{first['loadavg']:.1f} / {last['loadavg']:.1f}"}
     print(_table(rows, seq, skew))
+    print("\nExpert loads alone (first two layers' experts), interleaved with sequential reads:\n")
+    print(_load_table(loads))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     if a.plot:

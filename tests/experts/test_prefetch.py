@@ -130,8 +130,8 @@ def test_wrong_predictions_cost_only_time(model, base, policy, monkeypatch):
         store = model.net.set_experts(budget, policy, {(0, 1): 9, (1, 3): 5})
         assert np.array_equal(model.logits(IDS, chunk_tokens=5), base), (policy, budget)
         assert np.array_equal(model.logits(IDS[:3]), base[:3])
-        if budget >= 2 * k * s:
-            assert store.telemetry.prefetch_unused > 0, budget
+        t = store.telemetry  # how many loads the thread got in first depends on scheduling
+        assert t.prefetch_hits + t.prefetch_unused <= t.prefetched
     model.net.set_experts(None)
 
 
@@ -145,4 +145,22 @@ def test_logits_equal_with_the_prefetcher_on_and_off(model, base):
             assert np.array_equal(model.logits(IDS, chunk_tokens=4), base), (budget, on)
             for n in (1, 2, 3):  # decode-sized steps
                 assert np.array_equal(model.logits(IDS[:n]), base[:n])
+    model.net.set_experts(None)
+
+
+def test_a_layer_predicted_wrongly_stops_evicting_for_a_while(model):
+    store = model.net.set_experts(4 * model.net.experts.slot_bytes)
+    for e in range(4):
+        list(store.experts(0, [e]))  # a full pool: prefetching must evict
+    t, loads = store.telemetry, []
+    for pair in [(1, 2), (3, 4), (5, 6), (7, 1), (2, 3), (4, 5)]:  # a token per round
+        list(store.experts(0, [3]))
+        before = t.prefetched
+        store.prefetcher.request(1, pair)
+        _idle(store)
+        loads.append(t.prefetched - before)
+        list(store.experts(1, [0]))  # the step uses none of the predicted experts
+    assert t.prefetch_hits == 0 and t.prefetch_unused == t.prefetched
+    assert loads[0] == 2 and loads[-3:] == [0, 0, 0], loads  # trust 1.0, then below 0.5
+    assert store.prefetcher.trust[1] < 0.5
     model.net.set_experts(None)

@@ -6,7 +6,8 @@ residual stream changes little between layers) and hands them over once layer i'
 reserved (`ExpertStore.experts(..., ahead=...)`). For each predicted expert not resident, the
 thread, under the store's lock, takes a slot (`ExpertStore.prefetch_slot`: free, else the
 policy's victim among slots not leased, not in the running step's plan, not of layer i+1 and
-not prefetched-and-unused), validates that one-load plan, evicts the slot and leases it; then,
+not prefetched-and-unused; evicting only while layer i+1's recent predictions were mostly used,
+`may_evict`), validates that one-load plan, evicts the slot and leases it; then,
 without the lock, writes the expert (numba, nogil: it runs beside the compute thread's
 kernels); then installs it under the lock. When no slot is idle it waits for a lease or a
 reservation to end (the attention of the next layer is such a window) and retries.
@@ -27,6 +28,8 @@ import threading
 from collections import deque
 
 IDLE_SECONDS = 0.5
+TRUST_TO_EVICT = 0.5  # evict for a layer's predictions only while at least this share was used
+PROBATION = 0.05  # trust regained per request while below (so a layer is tried again)
 
 
 class Prefetcher:
@@ -37,6 +40,7 @@ class Prefetcher:
         self.predicted: set[int] = set()  # layers with a request since their last step
         self.thread: threading.Thread | None = None
         self.stopped = False
+        self.trust = [1.0] * store.n_layers  # per layer: recent share of prefetched experts used
 
     def request(self, layer: int, experts) -> None:
         """Queue `layer`'s predicted expert ids that are not resident; start the thread."""
@@ -49,6 +53,8 @@ class Prefetcher:
                     if 0 <= e < store.n_experts and (layer, e) not in store.slot_of
                     and (layer, e) not in queued]
             self.predicted.add(layer)
+            if self.trust[layer] < TRUST_TO_EVICT:
+                self.trust[layer] += PROBATION
             for key in keys:
                 store.source.advise(*key)
             self.queue.extend(keys)
@@ -57,6 +63,17 @@ class Prefetcher:
                                                daemon=True)
                 self.thread.start()
             store.lock.notify_all()
+
+    def judge(self, layer: int, used: int, unused: int) -> None:
+        """(lock held) A step of `layer` used `used` of its prefetched experts, not `unused`."""
+        if used + unused:
+            self.trust[layer] = 0.5 * self.trust[layer] + 0.5 * used / (used + unused)
+
+    def may_evict(self, layer: int) -> bool:
+        """(lock held) Whether loading a prediction of `layer` may evict a resident expert:
+        only while its predictions have mostly been used (a wrong one evicts a useful expert
+        and loads a useless one); below that, free slots only, and trust creeps back."""
+        return self.trust[layer] >= TRUST_TO_EVICT
 
     def was_predicted(self, layer: int) -> bool:
         """(lock held) Whether `layer` had a request since its last step; clears it."""

@@ -217,8 +217,10 @@ class ExpertStore:
         t.prefetch_hits += len(mine & used)
         t.prefetch_unused += len(mine - used)
         self.ahead -= mine
-        if self.prefetcher is not None and self.prefetcher.was_predicted(layer):
-            t.prefetch_misses += sum(len(turn.loads) for turn in turns)
+        if self.prefetcher is not None:
+            self.prefetcher.judge(layer, len(mine & used), len(mine - used))
+            if self.prefetcher.was_predicted(layer):
+                t.prefetch_misses += sum(len(turn.loads) for turn in turns)
 
     def plan(self, layer: int, experts: list[int]) -> list[Turn]:
         """Turns for one layer step: resident experts first (no load), then the missing ones;
@@ -258,13 +260,14 @@ class ExpertStore:
     def prefetch_slot(self, key: Key) -> int | None:
         """(lock held) A slot the prefetcher may fill with `key`: a free one, else the policy's
         victim among experts not leased, not in the running step's plan, not of `key`'s layer
-        (its own experts are what the prediction is for) and not prefetched-and-unused; None if
-        there is none. The one-load plan is validated like a step's."""
+        (its own experts are what the prediction is for) and not prefetched-and-unused, if the
+        prefetcher trusts that layer's predictions; None if there is none. The one-load plan
+        is validated like a step's."""
         def idle(s):
             return not self.leases[s] and s not in self.reserved
 
         free = [s for s, k in enumerate(self.key_of) if k is None and idle(s)]
-        if not free:
+        if not free and self.prefetcher.may_evict(key[0]):
             cands = [k for s, k in enumerate(self.key_of) if k is not None and idle(s)
                      and k[0] != key[0] and k not in self.ahead]
             free = [self.slot_of[k] for k in self.policy.rank(cands)[:1]]
