@@ -83,7 +83,8 @@ class MoeFfn:
         T, dim = h.shape
         top, w = route(self.router.matmul(h), self.k, self.norm)
         self.store.record_routing(self.layer, top)
-        ahead = self._predict(h) if self.next_router is not None and self.store.bounded else None
+        prefetching = self.next_router is not None and self.store.prefetcher is not None
+        ahead = self._predict(h) if prefetching else None
         ys = np.zeros((T, self.k, dim), dtype=np.float32)  # (token, rank) -> expert output
         for e, gate_up, down in self.store.experts(self.layer, np.unique(top), ahead):
             rows, ranks = np.nonzero(top == e)
