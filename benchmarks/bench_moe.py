@@ -1,22 +1,27 @@
-"""MoE decode and prefill speed against the expert budget, warm and cold page cache.
+"""MoE decode and prefill speed against the expert budget, warm and cold page cache, with the
+slot prefetcher off and on.
 
     PYTHONPATH=src python benchmarks/bench_moe.py [--layers 16 --experts 32 --dim 512
-        --ff 1408 --top-k 4 --qtype Q4_0] [--quick] [--json rows.json] [--plot moe.png]
+        --ff 1408 --top-k 4 --qtype Q4_0 --skew 4] [--quick] [--json rows.json] [--plot moe.png]
 
 Writes a qwen3moe GGUF of a realistic shape into a temporary folder (expert matrices drawn
 directly as random Q4_0/Q8_0 blocks; attention, router and embedding from tiny_moe). The
-router is skewed: every embedding row shares one direction v and router rows lean towards
-or away from it (tiny_moe `skew`), so tokens concentrate on some experts; the table prints
-the measured skew (share of picks taken by the most-chosen quarter of experts).
+router is skewed by `--skew` (tiny_moe: every embedding row shares one direction v and router
+rows lean towards or away from it, so tokens concentrate on some experts); the table prints the
+measured skew per layer (share of picks taken by the most-chosen quarter of experts; 0.25 is
+uniform). --skew 4 concentrates more than trained routers; about 1 gives ~0.5 (see the table).
 
 Per budget (100% = every expert resident, 50%, 25%, min = one layer's top-k), a prompt is
 prefilled and tokens decoded greedily; the decode's logits must equal the all-resident run's
-bitwise (column "exact"). warm: the same run a second time (pool and page cache warm); cold:
-a fresh pool and the file dropped from the page cache (madvise + posix_fadvise DONTNEED; the
-resident fraction before the run is printed). Bytes read per decoded token are the store's
-counter over the decode steps; "load MB/s" is bytes read over the seconds spent loading
-experts (read + repack + copy into the slot), next to a plain sequential read of the file.
-Timings on a shared machine are approximate: compare within one run.
+bitwise (column "exact"). warm: the same run a second time (pool and page cache warm); cold: a
+fresh pool and the file dropped from the page cache (madvise + posix_fadvise DONTNEED). Each
+(budget, cache) runs with the prefetcher off, then on, back to back in this process (an
+interleaved A/B: compare those two rows, not across runs). Bytes read per decoded token are the
+store's counter over the decode steps; "load MB/s" is the bytes read over the seconds spent
+writing experts into slots (read + repack, both threads: the bench's clock around
+`ExpertStore.write`), "vs seq" that over a plain sequential read of the same file in the same
+run; "wait s" the part of it the compute thread spent (what the prefetcher is meant to hide).
+The load average (1 min) is printed beside each row: the machine is shared.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import mmap
+import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -50,10 +57,12 @@ def _args(argv):
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--qtype", default="Q4_0", choices=["Q4_0", "Q8_0"])
     p.add_argument("--skew", type=float, default=4.0)
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--decode-tokens", type=int, default=8)
     p.add_argument("--budgets", default="100%,50%,25%,min")
     p.add_argument("--policy", default="lru", choices=["lru", "frequency"])
+    p.add_argument("--load-path", action="store_true",
+                   help="only the expert-load table (codec vs one-pass repack, cold and warm)")
     p.add_argument("--quick", action="store_true", help="a tiny model, a few tokens (tests)")
     p.add_argument("--dir", default=None, help="folder for the model file (default: a temp one)")
     p.add_argument("--json", default=None)
@@ -84,20 +93,27 @@ def _drop_cache(model, path: Path) -> float | None:
 
 
 class _LoadTimer:
-    """Wraps the store's source.build: seconds spent loading experts (the bench's own clock;
-    the store keeps no timing)."""
+    """Wraps the store's `write` (one expert into a slot, from the mapped file): seconds spent,
+    all threads and the calling (compute) thread's share; the store keeps no timing."""
 
     def __init__(self, store):
-        self.seconds, build = 0.0, store.source.build
+        self.seconds = self.wait = 0.0
+        self.lock, write, main = threading.Lock(), store.write, threading.get_ident()
 
-        def timed(layer, e):
+        def timed(key, slot):
             t0 = time.perf_counter()
             try:
-                return build(layer, e)
+                return write(key, slot)
             finally:
-                self.seconds += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                with self.lock:
+                    self.seconds += dt
+                    self.wait += dt if threading.get_ident() == main else 0.0
 
-        store.source.build = timed
+        store.write = timed
+
+    def reset(self):
+        self.seconds = self.wait = 0.0
 
 
 def _run(model, ids, n_decode: int) -> dict:
@@ -129,36 +145,100 @@ def _budget(spec: str, model) -> tuple[str, object]:
     return spec, (None if spec == "100%" else spec)
 
 
-def _row(model, path, ids, a, name, budget, cache: str, base: bytes) -> dict:
+def _row(model, path, ids, a, name, budget, cache: str, prefetch: bool, base: bytes) -> dict:
     store = model.net.set_experts(budget, a.policy)
+    store.use_prefetch(prefetch)
     timer = _LoadTimer(store)
     resident = None
     if cache == "warm":
         _run(model, ids, a.decode_tokens)
     else:
         resident = _drop_cache(model, path)
-    timer.seconds, read0 = 0.0, store.telemetry.bytes_read
+    timer.reset()
+    t = store.telemetry
+    before = {k: getattr(t, k) for k in ("bytes_read", "prefetched", "prefetch_hits", "misses")}
     r = _run(model, ids, a.decode_tokens)
-    read = store.telemetry.bytes_read - read0
-    return {"budget": name, "cache": cache, "pool_bytes": store.pool.nbytes,
+    d = {k: getattr(t, k) - v for k, v in before.items()}
+    return {"budget": name, "cache": cache, "prefetch": prefetch, "pool_bytes": store.pool.nbytes,
             "prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"],
             "decode_read_per_token": r["decode_bytes_read_per_token"],
-            "load_mb_s": read / timer.seconds / 1e6 if timer.seconds else None,
-            "resident_before": resident, "exact": r["digest"] == base}
+            "bytes_read": d["bytes_read"],
+            "load_mb_s": d["bytes_read"] / timer.seconds / 1e6 if timer.seconds else None,
+            "wait_s": timer.wait, "load_s": timer.seconds, "misses": d["misses"],
+            "prefetched": d["prefetched"], "prefetch_hits": d["prefetch_hits"],
+            "loadavg": os.getloadavg()[0], "resident_before": resident,
+            "exact": r["digest"] == base}
 
 
 def _table(rows, seq, skew) -> str:
-    out = [f"sequential read of the file: {seq['gb_per_s'] * 1e3:.0f} MB/s; routing skew (top "
+    out = [f"sequential read of the file: {seq['gb_per_s'] * 1e3:.0f} MB/s (mean of a read before"
+           f" and after the rows: {seq['runs']}; page cache dropped first); routing skew (top "
            f"quarter's share of picks) per layer: {', '.join(f'{s:.2f}' for s in skew)}", "",
-           "| budget | cache | pool MiB | prefill tok/s | decode tok/s | vs 100% | read/token "
-           "MB | load MB/s | exact |", "|---|---|---|---|---|---|---|---|---|"]
+           "| budget | cache | prefetch | pool MiB | prefill tok/s | decode tok/s | vs 100% | "
+           "read/token MB | load MB/s | vs seq | wait s | prefetched (hits) | load | exact |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     full = next(r["decode_tok_s"] for r in rows if r["budget"] == "100%" and r["cache"] == "warm")
+    seq_mb = seq["gb_per_s"] * 1e3
     for r in rows:
         load = "-" if r["load_mb_s"] is None else f"{r['load_mb_s']:.0f}"
-        out.append(f"| {r['budget']} | {r['cache']} | {r['pool_bytes'] / 2**20:.1f} | "
-                   f"{r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f} | "
-                   f"{r['decode_tok_s'] / full:.2f}x | {r['decode_read_per_token'] / 1e6:.2f} | "
-                   f"{load} | {'yes' if r['exact'] else 'NO'} |")
+        ratio = "-" if r["load_mb_s"] is None else f"{r['load_mb_s'] / seq_mb:.2f}"
+        out.append(f"| {r['budget']} | {r['cache']} | {'on' if r['prefetch'] else 'off'} | "
+                   f"{r['pool_bytes'] / 2**20:.1f} | {r['prefill_tok_s']:.1f} | "
+                   f"{r['decode_tok_s']:.1f} | {r['decode_tok_s'] / full:.2f}x | "
+                   f"{r['decode_read_per_token'] / 1e6:.2f} | {load} | {ratio} | "
+                   f"{r['wait_s']:.2f} | {r['prefetched']} ({r['prefetch_hits']}) | "
+                   f"{r['loadavg']:.1f} | {'yes' if r['exact'] else 'NO'} |")
+    return "\n".join(out)
+
+
+def _load_path(model, path, a, reps: int = 2) -> list[dict]:
+    """Expert loads alone (no compute), the codec's NumPy repack against the one-pass kernel,
+    cold and warm page cache, interleaved with sequential reads of the same file: wall and CPU
+    seconds of `ExpertStore.write` over the experts of the first two layers."""
+    rows = []
+    for rep in range(reps):
+        seq = sequential_read(path)
+        rows.append({"path": "sequential read", "cache": "cold", "mb": seq["bytes"] / 1e6,
+                     "wall": seq["seconds"], "cpu": None, "loadavg": os.getloadavg()[0]})
+        for one_pass in (False, True):
+            for cache in ("cold", "warm"):
+                store = model.net.set_experts("25%")
+                store.use_prefetch(False)
+                if not one_pass:
+                    store.layouts = [lay._replace(one_pass=(False,) * len(lay.one_pass))
+                                     for lay in store.layouts]
+                keys = [(lay, e) for lay in range(min(2, store.n_layers))
+                        for e in range(store.n_experts)]
+                if cache == "cold":
+                    _drop_cache(model, path)
+                else:  # the same bytes once, to warm the page cache
+                    for key in keys:
+                        for m in store.source.layers[key[0]]:
+                            np.add.reduce(m.block_bytes(key[1])[::4096])
+                t0, c0 = time.perf_counter(), time.thread_time()
+                for i, key in enumerate(keys):
+                    store.write(key, i % store.n_slots)
+                wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+                mb = sum(store.source.raw_bytes(k[0]) for k in keys) / 1e6
+                rows.append({"path": "one-pass" if one_pass else "codec (NumPy)", "cache": cache,
+                             "mb": mb, "wall": wall, "cpu": cpu, "loadavg": os.getloadavg()[0],
+                             "rep": rep})
+    model.net.set_experts(None)
+    return rows
+
+
+def _load_table(rows) -> str:
+    out = ["| repack | cache | MB | wall s | MB/s | vs seq | CPU s | MB per CPU s | load |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    seq = None
+    for r in rows:
+        rate = r["mb"] / r["wall"]
+        if r["path"] == "sequential read":
+            seq = rate
+        cpu = "-" if r["cpu"] is None else f"{r['cpu']:.2f}"
+        per_cpu = "-" if not r["cpu"] else f"{r['mb'] / r['cpu']:.0f}"
+        out.append(f"| {r['path']} | {r['cache']} | {r['mb']:.0f} | {r['wall']:.2f} | "
+                   f"{rate:.0f} | {rate / seq:.2f} | {cpu} | {per_cpu} | {r['loadavg']:.1f} |")
     return "\n".join(out)
 
 
@@ -170,8 +250,10 @@ def _plot(rows, path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for cache in ("warm", "cold"):
-        sel = [r for r in rows if r["cache"] == cache]
-        ax.plot([r["budget"] for r in sel], [r["decode_tok_s"] for r in sel], "o-", label=cache)
+        for on in (False, True):
+            sel = [r for r in rows if r["cache"] == cache and r["prefetch"] == on]
+            ax.plot([r["budget"] for r in sel], [r["decode_tok_s"] for r in sel],
+                    "o-" if on else "s--", label=f"{cache}, prefetch {'on' if on else 'off'}")
     ax.set_xlabel("expert budget")
     ax.set_ylabel("decode tokens/s")
     ax.set_title("MoE decode vs expert budget (page cache warm / cold)")
@@ -184,18 +266,29 @@ def main(argv=None) -> int:
     a = _args(argv)
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
         path = _write(a, Path(tmp))
-        seq = sequential_read(path)
+        first = {**sequential_read(path), "loadavg": os.getloadavg()[0]}
         model = load_model(path)
         ids = model.tokenize(TEXT * (1 + a.prompt_tokens // 20))[:a.prompt_tokens]
+        if a.load_path:
+            print(_load_table(_load_path(model, path, a)))
+            return 0
         base = _run(model, ids, a.decode_tokens)["digest"]
         skew = [r["skew"] for r in model.experts.telemetry.routing_report()]
         rows = []
         for spec in a.budgets.split(","):
             name, budget = _budget(spec, model)
             for cache in ("warm", "cold"):
-                rows.append(_row(model, path, ids, a, name, budget, cache, base))
+                for prefetch in (False, True):  # interleaved A/B, back to back
+                    rows.append(_row(model, path, ids, a, name, budget, cache, prefetch, base))
+        loads = _load_path(model, path, a)
         del model
+        last = {**sequential_read(path), "loadavg": os.getloadavg()[0]}
+    seq = {"gb_per_s": (first["gb_per_s"] + last["gb_per_s"]) / 2,
+           "runs": f"{first['gb_per_s'] * 1e3:.0f} and {last['gb_per_s'] * 1e3:.0f} MB/s at load "
+                   f"{first['loadavg']:.1f} / {last['loadavg']:.1f}"}
     print(_table(rows, seq, skew))
+    print("\nExpert loads alone (first two layers' experts), interleaved with sequential reads:\n")
+    print(_load_table(loads))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     if a.plot:

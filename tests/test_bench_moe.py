@@ -1,5 +1,6 @@
 """benchmarks/bench_moe.py stays runnable: --quick writes a tiny skewed MoE file, runs every
-budget warm and cold, prints the table and exits 0 only if every row is bitwise exact."""
+budget warm and cold with the prefetcher off and on, prints the table and exits 0 only if every
+row is bitwise exact."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ def test_quick_run_prints_table_and_every_row_is_exact(tmp_path, capsys):
     assert bench.main(["--quick", "--json", str(out_json), "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     rows = json.loads(out_json.read_text())
-    assert [(r["budget"], r["cache"]) for r in rows][:3] == [("100%", "warm"), ("100%", "cold"),
-                                                              ("50%", "warm")]
+    assert [(r["budget"], r["cache"], r["prefetch"]) for r in rows][:5] == [
+        ("100%", "warm", False), ("100%", "warm", True), ("100%", "cold", False),
+        ("100%", "cold", True), ("50%", "warm", False)]  # prefetcher off/on back to back
     assert all(r["exact"] for r in rows) and "| NO |" not in out
     full = rows[0]["pool_bytes"]
-    assert all(r["pool_bytes"] <= full // 2 for r in rows[2:])
+    assert all(r["pool_bytes"] <= full // 2 for r in rows[4:])
     assert rows[-1]["decode_read_per_token"] > 0  # the smallest pool reads while decoding

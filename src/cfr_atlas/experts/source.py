@@ -34,6 +34,10 @@ class ExpertMatrix:
     def raw(self, e: int) -> np.ndarray:
         return self.data[e]
 
+    def block_bytes(self, e: int) -> np.ndarray:
+        """Expert e's bytes as one flat uint8 view of the mapped file (no copy)."""
+        return self.data[e].reshape(-1).view(np.uint8)
+
     def byte_range(self, e: int) -> tuple[int, int]:
         """(file offset, length) of expert e's bytes."""
         n = self.data[0].nbytes

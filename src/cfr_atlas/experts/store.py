@@ -3,16 +3,22 @@
 Invariants:
   * All expert weights the engine computes with live in `pool`, one (n_slots, slot_bytes) uint8
     array allocated once: `pool.nbytes <= budget`. A slot holds one expert's repacked gate|up
-    and down tiles as views into its row; loading repacks the expert's GGUF ranges (a transient
-    copy of one expert) and copies them into the slot.
-  * A slot is leased while a step computes with its expert and is never evicted then.
+    and down tiles as views into its row (slots.py writes them, from the mapped file).
+  * A slot is leased while a step computes with its expert, or while the prefetcher fills it,
+    and is never evicted then.
   * A layer step's experts are planned whole (`plan`), the plan checked (`validate`), and only
-    then are slots written. When the experts do not all fit, they run in turns of at most
+    then are slots written; the slots the plan uses are reserved until the step ends, so the
+    prefetcher never takes them. When the experts do not all fit, they run in turns of at most
     n_slots experts; results never depend on the turns (each token's expert outputs are summed
     in rank order by the caller after all turns).
-  * The policy picks victims among unleased slots; it changes speed, never results.
-Telemetry (counted at the three points load, hit, route): see `ExpertTelemetry`.
-Not here: routing math (models/moe.py), reading files (source.py hands over mapped arrays).
+  * The policy picks victims among unleased slots; it changes speed, never results. So does the
+    prefetcher (prefetch.py): it only moves a load earlier, into a slot nobody uses.
+  * `lock` (a Condition) guards the slot tables, leases and counters; slot bytes are written
+    without it (a slot being written is reserved or leased, and becomes visible only when its
+    key is installed under the lock). `step_lock` runs one layer step at a time.
+Telemetry (counted at the points load, install, hit, route): see `ExpertTelemetry`.
+Not here: routing math (models/moe.py), reading files (source.py hands over mapped arrays),
+slot layouts and the repack (slots.py, repack.py).
 """
 
 from __future__ import annotations
@@ -24,25 +30,12 @@ from typing import NamedTuple
 import numpy as np
 
 from cfr_atlas.errors import CapacityError, ConfigError
+from cfr_atlas.experts import slots
 from cfr_atlas.experts.policies import LruPolicy
+from cfr_atlas.experts.prefetch import Prefetcher
 from cfr_atlas.experts.source import ExpertSource
-from cfr_atlas.quant import QuantWeight
 
-ALIGN = 64  # bytes; every tile array in a slot starts on a cache line
 Key = tuple[int, int]  # (layer, expert)
-
-
-class _Part(NamedTuple):
-    offset: int
-    dtype: np.dtype
-    shape: tuple
-
-
-class _Layout(NamedTuple):
-    """Where one expert's tile arrays sit in a slot row, per matrix (gate|up, down)."""
-
-    parts: tuple  # per matrix: tuple of _Part or a plain value (a non-array tile field)
-    nbytes: int
 
 
 class Turn(NamedTuple):
@@ -52,9 +45,10 @@ class Turn(NamedTuple):
 
 @dataclass
 class ExpertTelemetry:
-    """What the store did. bytes_read: GGUF bytes copied from the mapped file; bytes_moved:
-    slot bytes written (repacked); last_step_*: since the model's last `begin_step`;
-    resident/peak: bytes of slots holding an expert (pool_bytes is what is allocated)."""
+    """What the store did. bytes_read: GGUF bytes read from the mapped file (prefetched ones
+    included); bytes_moved: slot bytes written; last_step_*: since the model's last
+    `begin_step`; resident/peak: bytes of slots holding an expert (pool_bytes is what is
+    allocated). misses are loads a step waited for; the prefetcher's loads are `prefetched`."""
 
     n_layers: int
     n_experts: int
@@ -68,8 +62,11 @@ class ExpertTelemetry:
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
     extra_turns: int = 0
-    prefetched: int = 0  # experts whose file ranges were read ahead (posix_fadvise WILLNEED)
-    prefetch_used: int = 0  # of those, loaded by the next step of their layer
+    prefetched: int = 0  # experts the prefetcher loaded into a slot ahead of their step
+    prefetch_bytes_read: int = 0  # GGUF bytes of those loads (also in bytes_read)
+    prefetch_hits: int = 0  # prefetched experts their step then used (a hit, no wait)
+    prefetch_unused: int = 0  # prefetched experts their step did not use (a wrong prediction)
+    prefetch_misses: int = 0  # loads a predicted step still waited for (not prefetched in time)
     routing: np.ndarray = field(default=None)  # (n_layers, n_experts) times chosen
 
     def __post_init__(self):
@@ -79,7 +76,8 @@ class ExpertTelemetry:
     def summary(self) -> dict:
         keys = ("pool_bytes", "hits", "misses", "bytes_read", "bytes_moved",
                 "last_step_bytes_moved", "last_step_misses", "resident_bytes",
-                "peak_resident_bytes", "extra_turns", "prefetched", "prefetch_used")
+                "peak_resident_bytes", "extra_turns", "prefetched", "prefetch_bytes_read",
+                "prefetch_hits", "prefetch_unused", "prefetch_misses")
         return {"expert_" + k: int(getattr(self, k)) for k in keys}
 
     def routing_report(self) -> list[dict]:
@@ -97,13 +95,15 @@ class ExpertTelemetry:
 class ExpertStore:
     """Bounded expert pool; see the module docstring. budget: bytes (int), a share of all
     experts (float in (0, 1]) or None (every expert resident, filled at load, never evicted).
-    `before_alloc(pool_bytes)` runs before the pool is allocated (a host-memory check)."""
+    `before_alloc(pool_bytes)` runs before the pool is allocated (a host-memory check).
+    prefetch: fill the slots of the experts predicted for the next layer on a background
+    thread (only under a bounded budget; `use_prefetch` switches it)."""
 
     def __init__(self, source: ExpertSource, budget: int | float | None = None, policy=None,
-                 before_alloc=None):
+                 before_alloc=None, prefetch: bool = True):
         self.source, self.policy = source, policy or LruPolicy()
         self.n_layers, self.n_experts = len(source.layers), source.n_experts
-        self.layouts = _layouts(source)
+        self.layouts = slots.layouts(source)
         self.slot_bytes = max(lay.nbytes for lay in self.layouts)
         n_all = self.n_layers * self.n_experts
         if isinstance(budget, float):  # a share of every expert's slot
@@ -119,9 +119,13 @@ class ExpertStore:
         self.slot_of: dict[Key, int] = {}
         self.leases = [0] * n_slots
         self.weights: list[tuple | None] = [None] * n_slots
-        self.lock = threading.RLock()
-        self.predicted: dict[int, set] = {}  # layer -> experts read ahead, not yet loaded
+        self.lock = threading.Condition(threading.RLock())
+        self.step_lock = threading.RLock()
+        self.reserved: frozenset = frozenset()  # slots of the running step's plan
+        self.ahead: set[Key] = set()  # prefetched, not yet used by their step
         self.telemetry = ExpertTelemetry(self.n_layers, self.n_experts, pool_bytes=self.pool.nbytes)
+        self.prefetcher: Prefetcher | None = None
+        self.use_prefetch(prefetch)
         if budget is None:
             for i, key in enumerate((lay, e) for lay in range(self.n_layers)
                                     for e in range(self.n_experts)):
@@ -138,20 +142,16 @@ class ExpertStore:
 
     @property
     def bounded(self) -> bool:
-        """True when not every expert fits (loads can happen; read-ahead is worth it)."""
+        """True when not every expert fits (loads can happen; prefetching is worth it)."""
         return self.n_slots < self.n_layers * self.n_experts
 
-    def prefetch(self, layer: int, experts) -> int:
-        """Read ahead the file ranges of `layer`'s experts that are not resident (the kernel
-        does the I/O; no slot is touched); -> how many."""
-        if not 0 <= layer < self.n_layers:
-            return 0
-        missing = {int(e) for e in experts if (layer, int(e)) not in self.slot_of}
-        for e in sorted(missing):
-            self.source.advise(layer, e)
-        self.predicted[layer] = missing
-        self.telemetry.prefetched += len(missing)
-        return len(missing)
+    def use_prefetch(self, on: bool) -> None:
+        """Switch the prefetcher on (bounded budgets only) or off; results never change."""
+        with self.lock:
+            if self.prefetcher is not None:
+                self.prefetcher.stop()
+                self.prefetcher.settle(self.n_layers)  # its load in flight ends first
+            self.prefetcher = Prefetcher(self) if on and self.bounded else None
 
     def begin_step(self) -> None:
         self.telemetry.last_step_bytes_moved = self.telemetry.last_step_misses = 0
@@ -160,33 +160,67 @@ class ExpertStore:
         """top (T, k) expert ids chosen by a layer's router."""
         self.telemetry.routing[layer] += np.bincount(top.reshape(-1), minlength=self.n_experts)
 
-    def experts(self, layer: int, experts):
+    def experts(self, layer: int, experts, ahead=None):
         """Yield (e, gate_up, down) for each distinct expert id in `experts`, each leased while
-        the caller computes with it; turns when they do not all fit."""
-        with self.lock:
-            turns = self.plan(layer, sorted({int(e) for e in experts}))
-            self.validate(layer, turns)
-            self.telemetry.extra_turns += len(turns) - 1
-            ahead = self.predicted.pop(layer, set())
-            self.telemetry.prefetch_used += sum(k[1] in ahead for t in turns for k, _ in t.loads)
-            for turn in turns:
-                yield from self._run(layer, turn)
+        the caller computes with it; turns when they do not all fit. `ahead`: the expert ids
+        predicted for layer + 1, handed to the prefetcher once this step's plan is reserved."""
+        with self.step_lock:
+            with self.lock:
+                if self.prefetcher is not None:
+                    self.prefetcher.settle(layer)  # stale requests dropped, in-flight load done
+                turns = self.plan(layer, sorted({int(e) for e in experts}))
+                self.validate(layer, turns)
+                self.reserved = frozenset(self._plan_slots(layer, turns))
+                self._count_prediction(layer, turns)
+                self.telemetry.extra_turns += len(turns) - 1
+            if ahead is not None and self.prefetcher is not None:
+                self.prefetcher.request(layer + 1, ahead)
+            try:
+                for turn in turns:
+                    yield from self._run(layer, turn)
+            finally:
+                with self.lock:
+                    self.reserved = frozenset()
+                    self.lock.notify_all()
 
     def _run(self, layer: int, turn: Turn):
         loaded = {key for key, _ in turn.loads}
         for key, slot in turn.loads:
             self._load(key, slot)
-        slots = [self.slot_of[(layer, e)] for e in turn.experts]
-        self.telemetry.hits += sum((layer, e) not in loaded for e in turn.experts)
-        for s in slots:
-            self.leases[s] += 1
+        with self.lock:
+            slots_ = [self.slot_of[(layer, e)] for e in turn.experts]
+            self.telemetry.hits += sum((layer, e) not in loaded for e in turn.experts)
+            for s in slots_:
+                self.leases[s] += 1
+                self.policy.touch(self.key_of[s])
         try:
-            for e, s in zip(turn.experts, slots, strict=True):
-                self.policy.touch((layer, e))
+            for e, s in zip(turn.experts, slots_, strict=True):
                 yield (e, *self.weights[s])
         finally:
-            for s in slots:
-                self.leases[s] -= 1
+            with self.lock:
+                for s in slots_:
+                    self.leases[s] -= 1
+                self.lock.notify_all()
+
+    def _plan_slots(self, layer: int, turns: list[Turn]) -> set[int]:
+        where, used = dict(self.slot_of), set()
+        for t in turns:
+            where.update(t.loads)
+            used.update(where[(layer, e)] for e in t.experts)
+        return used
+
+    def _count_prediction(self, layer: int, turns: list[Turn]) -> None:
+        """Prefetched experts of `layer` this step uses are prefetch hits, the others unused;
+        a load this step waits for after a prediction is a prefetch miss."""
+        t, used = self.telemetry, {(layer, e) for turn in turns for e in turn.experts}
+        mine = {k for k in self.ahead if k[0] == layer}
+        t.prefetch_hits += len(mine & used)
+        t.prefetch_unused += len(mine - used)
+        self.ahead -= mine
+        if self.prefetcher is not None:
+            self.prefetcher.judge(layer, len(mine & used), len(mine - used))
+            if self.prefetcher.was_predicted(layer):
+                t.prefetch_misses += sum(len(turn.loads) for turn in turns)
 
     def plan(self, layer: int, experts: list[int]) -> list[Turn]:
         """Turns for one layer step: resident experts first (no load), then the missing ones;
@@ -199,11 +233,11 @@ class ExpertStore:
         for i in range(0, len(order), self.n_slots):
             group = order[i:i + self.n_slots]
             need = [k for k in group if k not in where]
-            slots = self._victims(occupant, set(group), done, len(need))
-            if len(slots) < len(need):
+            slots_ = self._victims(occupant, set(group), done, len(need))
+            if len(slots_) < len(need):
                 raise CapacityError(f"layer {layer}: {len(need)} experts to load but only "
-                                    f"{len(slots)} of {self.n_slots} slots are free or unleased")
-            loads = list(zip(need, slots, strict=True))
+                                    f"{len(slots_)} of {self.n_slots} slots are free or unleased")
+            loads = list(zip(need, slots_, strict=True))
             for key, slot in loads:
                 where.pop(occupant[slot], None)
                 occupant[slot], where[key] = key, slot
@@ -214,7 +248,7 @@ class ExpertStore:
     def _victims(self, occupant, group: set, done: list, n: int) -> list[int]:
         if n == 0:
             return []
-        free = [s for s, k in enumerate(occupant) if k is None]
+        free = [s for s, k in enumerate(occupant) if k is None and not self.leases[s]]
         taken = [k for s, k in enumerate(occupant)
                  if k is not None and k not in group and not self.leases[s]]
         recent = set(done)
@@ -223,6 +257,25 @@ class ExpertStore:
         slot = {k: s for s, k in enumerate(occupant) if k is not None}
         return (free + [slot[k] for k in ranked])[:n]
 
+    def prefetch_slot(self, key: Key) -> int | None:
+        """(lock held) A slot the prefetcher may fill with `key`: a free one, else the policy's
+        victim among experts not leased, not in the running step's plan, not of `key`'s layer
+        (its own experts are what the prediction is for) and not prefetched-and-unused, if the
+        prefetcher trusts that layer's predictions; None if there is none. The one-load plan
+        is validated like a step's."""
+        def idle(s):
+            return not self.leases[s] and s not in self.reserved
+
+        free = [s for s, k in enumerate(self.key_of) if k is None and idle(s)]
+        if not free and self.prefetcher.may_evict(key[0]):
+            cands = [k for s, k in enumerate(self.key_of) if k is not None and idle(s)
+                     and k[0] != key[0] and k not in self.ahead]
+            free = [self.slot_of[k] for k in self.policy.rank(cands)[:1]]
+        if not free:
+            return None
+        self.validate(key[0], [Turn([key[1]], [(key, free[0])])])
+        return free[0]
+
     def validate(self, layer: int, turns: list[Turn]) -> None:
         """Refuse a plan before any slot is written: experts out of range, a turn larger than
         the pool, a load without a slot, into a leased slot, or twice into one slot."""
@@ -230,72 +283,52 @@ class ExpertStore:
             raise CapacityError(f"layer {layer} is outside the store's {self.n_layers} layers")
         for t in turns:
             bad = [e for e in t.experts if not 0 <= e < self.n_experts]
-            slots = [s for _, s in t.loads]
-            if bad or len(t.experts) > self.n_slots or len(set(slots)) != len(slots) \
-                    or any(not 0 <= s < self.n_slots or self.leases[s] for s in slots) \
+            slots_ = [s for _, s in t.loads]
+            if bad or len(t.experts) > self.n_slots or len(set(slots_)) != len(slots_) \
+                    or any(not 0 <= s < self.n_slots or self.leases[s] for s in slots_) \
                     or len(t.loads) != sum(1 for k, _ in t.loads if k[0] == layer):
                 raise CapacityError(
                     f"expert plan for layer {layer} refused: experts {t.experts} (valid 0.."
                     f"{self.n_experts - 1}), {len(t.experts)} in a turn for {self.n_slots} slots,"
-                    f" loads into slots {slots} of 0..{self.n_slots - 1} (leased: "
-                    f"{[s for s in slots if 0 <= s < self.n_slots and self.leases[s]]})")
+                    f" loads into slots {slots_} of 0..{self.n_slots - 1} (leased: "
+                    f"{[s for s in slots_ if 0 <= s < self.n_slots and self.leases[s]]})")
 
     def _load(self, key: Key, slot: int) -> None:
-        """Evict the slot's expert (if any) and copy `key`'s repacked matrices into it."""
-        t, old = self.telemetry, self.key_of[slot]
+        """A load the step waits for: the slot is the plan's (reserved), so no lease."""
+        with self.lock:
+            self.evict(slot)
+        weights = self.write(key, slot)
+        with self.lock:
+            self.install(key, slot, weights, prefetched=False)
+
+    def evict(self, slot: int) -> None:
+        """(lock held) Empty the slot; its expert, if any, is no longer resident."""
+        old, t = self.key_of[slot], self.telemetry
         if old is not None:
             del self.slot_of[old]
             t.resident_bytes -= self.layouts[old[0]].nbytes
+            if old in self.ahead:
+                self.ahead.discard(old)
+                t.prefetch_unused += 1
         self.key_of[slot], self.weights[slot] = None, None
-        mats = self.source.build(*key)
-        layout = self.layouts[key[0]]
-        self.weights[slot] = tuple(_into(self.pool[slot], w, parts)
-                                   for w, parts in zip(mats, layout.parts, strict=True))
-        self.key_of[slot], self.slot_of[key] = key, slot
-        t.misses += 1
-        t.last_step_misses += 1
-        t.bytes_read += self.source.raw_bytes(key[0])
+
+    def write(self, key: Key, slot: int) -> tuple:
+        """(no lock) key's matrices into the slot's row -> (gate_up, down) over its views."""
+        return slots.write(self.pool[slot], self.source, *key, self.layouts[key[0]])
+
+    def install(self, key: Key, slot: int, weights: tuple, prefetched: bool) -> None:
+        """(lock held) The written slot now holds `key`; counted as a load."""
+        t, layout, raw = self.telemetry, self.layouts[key[0]], self.source.raw_bytes(key[0])
+        self.weights[slot], self.key_of[slot], self.slot_of[key] = weights, key, slot
+        t.bytes_read += raw
         t.bytes_moved += layout.nbytes
         t.last_step_bytes_moved += layout.nbytes
         t.resident_bytes += layout.nbytes
         t.peak_resident_bytes = max(t.peak_resident_bytes, t.resident_bytes)
-
-
-def _into(row: np.ndarray, w: QuantWeight, parts: tuple) -> QuantWeight:
-    """Copy w's tile arrays into `row` at `parts`; the same weight over the slot's views."""
-    tiles = []
-    for a, part in zip(w.tiles, parts, strict=True):
-        if not isinstance(a, np.ndarray):
-            tiles.append(a)
-            continue
-        n = int(np.prod(part.shape)) * part.dtype.itemsize
-        view = row[part.offset:part.offset + n].view(part.dtype).reshape(part.shape)
-        np.copyto(view, a)
-        tiles.append(view)
-    return QuantWeight(w.name, w.qtype, w.shape, type(w.tiles)(*tiles), w.codec)
-
-
-def _layouts(source: ExpertSource) -> list[_Layout]:
-    """Per layer, the slot layout of its experts (measured on expert 0, shared by every expert
-    of the layer: they have one shape and format); layers with equal formats share one."""
-    memo, out = {}, []
-    for layer, mats in enumerate(source.layers):
-        sig = tuple((m.ggml_type, m.rows, m.cols) for m in mats)
-        if sig not in memo:
-            memo[sig] = _layout(source.build(layer, 0))
-        out.append(memo[sig])
-    return out
-
-
-def _layout(weights) -> _Layout:
-    off, parts = 0, []
-    for w in weights:
-        mine = []
-        for a in w.tiles:
-            if not isinstance(a, np.ndarray):
-                mine.append(a)
-                continue
-            mine.append(_Part(off, a.dtype, a.shape))
-            off += -(-a.nbytes // ALIGN) * ALIGN
-        parts.append(tuple(mine))
-    return _Layout(tuple(parts), off)
+        if prefetched:
+            t.prefetched += 1
+            t.prefetch_bytes_read += raw
+            self.ahead.add(key)
+        else:
+            t.misses += 1
+            t.last_step_misses += 1

@@ -91,10 +91,10 @@ class MoeFfn:
         T, dim = h.shape
         top, w = route(self.router.matmul(h), self.k, self.norm, **self.routing)
         self.store.record_routing(self.layer, top)
-        if self.next_router is not None and self.store.bounded:
-            self._read_ahead(h)
+        prefetching = self.next_router is not None and self.store.prefetcher is not None
+        ahead = self._predict(h) if prefetching else None
         ys = np.zeros((T, self.k, dim), dtype=np.float32)  # (token, rank) -> expert output
-        for e, gate_up, down in self.store.experts(self.layer, np.unique(top)):
+        for e, gate_up, down in self.store.experts(self.layer, np.unique(top), ahead):
             rows, ranks = np.nonzero(top == e)
             gu = gate_up.matmul(np.ascontiguousarray(h[rows]))
             ff = gu.shape[1] // 2
@@ -109,17 +109,16 @@ class MoeFfn:
             out += self.shared(h) * (np.float32(1) / (np.float32(1) + np.exp(-g)))
         return out
 
-
-    def _read_ahead(self, h: np.ndarray) -> None:
-        """Predict the next layer's experts by its router on this layer's input (the residual
-        stream changes little between layers) and let the store read them ahead; affects
-        speed only (nothing computed here reaches the output)."""
+    def _predict(self, h: np.ndarray) -> np.ndarray:
+        """The next layer's experts, predicted by its router on this layer's input (the residual
+        stream changes little between layers), for the store's prefetcher; affects speed only
+        (nothing computed here reaches the output)."""
         predicted, _ = route(self.next_router.matmul(h), self.k, self.norm, **self.routing)
-        self.store.prefetch(self.layer + 1, np.unique(predicted))
+        return np.unique(predicted)
 
 
 def link_layers(ffns: list) -> None:
-    """Give each MoE block the next layer's router (read-ahead)."""
+    """Give each MoE block the next layer's router (to predict its experts)."""
     for ffn, nxt in zip(ffns, ffns[1:], strict=False):
         if isinstance(ffn, MoeFfn) and isinstance(nxt, MoeFfn):
             ffn.next_router = nxt.router

@@ -1,0 +1,166 @@
+"""The one-pass expert repack and the slot prefetcher: speed only, never a bit of the logits.
+
+The one-pass kernel (experts/repack.py) against its NumPy twin, the codec's repack (bytes
+equal, rows that are not whole tiles, garbage in the slot beforehand); the f16 scale
+conversion against NumPy on all 65,536 halves. The prefetcher (experts/prefetch.py): it never
+takes a leased expert's slot, its loads and hits are counted, a wrong prediction costs only
+time, and logits equal the all-resident run's (np.array_equal) with it on or off.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from cfr_atlas.engine import load_model
+from cfr_atlas.experts.repack import KERNELS, half_bits_to_float_bits
+from cfr_atlas.models.moe import MoeFfn
+from cfr_atlas.quant import q4_0, q8_0
+from cfr_atlas.quant.formats import QType
+from cfr_atlas.quant.tiles import TILE_ROWS
+from cfr_atlas.testing.tiny_moe import random_blocks
+
+IDS = [5, 77, 300, 12, 40, 1000, 2000, 31, 9, 44, 4, 900, 17, 23]
+
+
+@lru_cache(maxsize=4)
+def _model(path):
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def model(moe_file):
+    """qwen2moe, Q8_0: 2 layers, 8 experts, top-2."""
+    return _model(moe_file("qwen2moe"))
+
+
+@pytest.fixture(scope="module")
+def base(model):
+    model.net.set_experts(None)
+    return model.logits(IDS, chunk_tokens=5)
+
+
+def _idle(store, timeout=10.0):
+    """Wait until the prefetcher has nothing queued or in flight."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with store.lock:
+            p = store.prefetcher
+            if not p.queue and p.loading is None:
+                return
+        time.sleep(0.005)
+    raise AssertionError("prefetcher did not settle")
+
+
+def test_half_to_float_bits_equal_numpy_for_every_half():
+    h = np.arange(1 << 16, dtype=np.uint32)
+    ref = h.astype(np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
+    assert np.array_equal(np.array([half_bits_to_float_bits(int(x)) for x in h],
+                                   dtype=np.uint32), ref)
+
+
+@pytest.mark.parametrize("qtype,module", [(QType.Q4_0, q4_0), (QType.Q8_0, q8_0)])
+@pytest.mark.parametrize("rows", [TILE_ROWS + 3, 2 * TILE_ROWS, 5])
+def test_one_pass_repack_equals_the_codec_repack(qtype, module, rows):
+    rng = np.random.default_rng(rows)
+    cols = 96
+    gate, up = random_blocks(rng, (2, rows, cols), qtype.name)
+    gate[0, :2] = [0x01, 0x00]  # a subnormal scale
+    up[-1, :2] = [0x00, 0x7E]  # a NaN scale with a payload
+    want = module.repack(np.concatenate([gate, up]))
+    q = np.full(want.q.shape, 0x55, dtype=np.int8)  # the slot's previous expert: garbage
+    a = np.full(want.a.shape, np.nan, dtype=np.float32)
+    KERNELS[qtype]([gate.reshape(-1), up.reshape(-1)], qtype, cols, q, a)
+    assert np.array_equal(q, want.q)
+    assert np.array_equal(a.view(np.uint32), want.a.view(np.uint32))
+
+
+def test_store_fills_q8_0_experts_in_one_pass_and_int8_through_the_codec(model, moe_file):
+    assert all(all(lay.one_pass) for lay in model.net.experts.layouts)
+    other = load_model(moe_file("qwen2moe"), matmul="int8")
+    assert not any(any(lay.one_pass) for lay in other.net.experts.layouts)
+
+
+def test_prefetcher_never_takes_a_leased_slot(model):
+    store = model.net.set_experts(4 * model.net.experts.slot_bytes)  # 4 slots
+    for e in range(4):
+        list(store.experts(0, [e]))  # fill the pool with layer 0's experts 0..3
+    leased = store.slot_of[(0, 2)]
+    before = [a.copy() for w in store.weights[leased] for a in w.tiles
+              if isinstance(a, np.ndarray)]
+    store.leases[leased] += 1
+    try:
+        store.prefetcher.request(1, range(8))  # more than the pool holds
+        _idle(store)
+    finally:
+        store.leases[leased] -= 1
+    assert store.key_of[leased] == (0, 2)
+    after = [a for w in store.weights[leased] for a in w.tiles if isinstance(a, np.ndarray)]
+    assert all(np.array_equal(x, y) for x, y in zip(before, after, strict=True))
+    assert sum(k is not None and k[0] == 1 for k in store.key_of) == 3  # the other slots
+    assert store.telemetry.prefetched == 3
+    model.net.set_experts(None)
+
+
+def test_prefetch_hits_and_unused_predictions_are_counted(model):
+    store = model.net.set_experts(4 * model.net.experts.slot_bytes)
+    t = store.telemetry
+    store.prefetcher.request(1, [3, 6])
+    _idle(store)
+    assert t.prefetched == 2 and t.prefetch_bytes_read == 2 * store.source.raw_bytes(1)
+    assert t.bytes_read == t.prefetch_bytes_read and t.misses == 0
+    assert [e for e, *_ in store.experts(1, [3, 5])] == [3, 5]
+    assert t.prefetch_hits == 1 and t.prefetch_unused == 1  # 3 used; 6 predicted, not used
+    assert t.hits == 1 and t.misses == 1 and t.prefetch_misses == 1  # 5 was not predicted
+    model.net.set_experts(None)
+
+
+@pytest.mark.parametrize("policy", ["lru", "frequency", "pinned"])
+def test_wrong_predictions_cost_only_time(model, base, policy, monkeypatch):
+    def worst(self, h):  # the experts this layer's router likes least
+        logits = self.next_router.matmul(h)
+        return np.unique(np.argsort(logits, axis=1, kind="stable")[:, :self.k])
+
+    monkeypatch.setattr(MoeFfn, "_predict", worst)
+    s, k = model.net.experts.slot_bytes, model.config.n_experts_used
+    for budget in (s, k * s, 2 * k * s, model.net.experts.full_bytes // 2):
+        store = model.net.set_experts(budget, policy, {(0, 1): 9, (1, 3): 5})
+        assert np.array_equal(model.logits(IDS, chunk_tokens=5), base), (policy, budget)
+        assert np.array_equal(model.logits(IDS[:3]), base[:3])
+        t = store.telemetry  # how many loads the thread got in first depends on scheduling
+        assert t.prefetch_hits + t.prefetch_unused <= t.prefetched
+    model.net.set_experts(None)
+
+
+def test_logits_equal_with_the_prefetcher_on_and_off(model, base):
+    s = model.net.experts.slot_bytes
+    for budget in (s, 3 * s, model.net.experts.full_bytes // 2):
+        store = model.net.set_experts(budget)
+        for on in (False, True, False):
+            store.use_prefetch(on)
+            assert (store.prefetcher is not None) == on
+            assert np.array_equal(model.logits(IDS, chunk_tokens=4), base), (budget, on)
+            for n in (1, 2, 3):  # decode-sized steps
+                assert np.array_equal(model.logits(IDS[:n]), base[:n])
+    model.net.set_experts(None)
+
+
+def test_a_layer_predicted_wrongly_stops_evicting_for_a_while(model):
+    store = model.net.set_experts(4 * model.net.experts.slot_bytes)
+    for e in range(4):
+        list(store.experts(0, [e]))  # a full pool: prefetching must evict
+    t, loads = store.telemetry, []
+    for pair in [(1, 2), (3, 4), (5, 6), (7, 1), (2, 3), (4, 5)]:  # a token per round
+        list(store.experts(0, [3]))
+        before = t.prefetched
+        store.prefetcher.request(1, pair)
+        _idle(store)
+        loads.append(t.prefetched - before)
+        list(store.experts(1, [0]))  # the step uses none of the predicted experts
+    assert t.prefetch_hits == 0 and t.prefetch_unused == t.prefetched
+    assert loads[0] == 2 and loads[-3:] == [0, 0, 0], loads  # trust 1.0, then below 0.5
+    assert store.prefetcher.trust[1] < 0.5
+    model.net.set_experts(None)
