@@ -16,13 +16,13 @@ Nothing here is used by the engine.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 
+from cfr_atlas.testing.tiny_gguf import finish
 from cfr_atlas.testing.tiny_moe import _tokenizer, _tokenizer_fields, bundled_tokenizer_path
 
 DEFAULTS = dict(n_layers=3, dim=64, n_heads=4, q_lora=32, kv_lora=32, nope=32, rope=16,
@@ -142,9 +142,4 @@ def write_tiny_deepseek2(path, *, qtype: str = "Q8_0", low_rank: bool = True,
     for name, is_matrix, array in tensors:
         t = GGMLQuantizationType[qtype if is_matrix else "F32"]
         w.add_tensor(name, quantize(array.astype(np.float32), t), raw_dtype=t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
-    return path
+    return finish(w, tmp, path)

@@ -9,14 +9,13 @@ Nothing here is used by the engine at run time.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
-from cfr_atlas.testing.tiny_gguf import CHATML_TEMPLATE, EOS_TOKEN, build_vocab
+from cfr_atlas.testing.tiny_gguf import CHATML_TEMPLATE, EOS_TOKEN, build_vocab, finish
 
 
 def _tensors(rng, *, n_layers, dim, n_heads, n_kv_heads, head_dim, hidden_dim, vocab):
@@ -85,9 +84,4 @@ def write_tiny_gemma3(path, *, qtype: str = "Q8_0", n_layers: int = 7, dim: int 
     for name, is_matrix, array in tensors:
         t = GGMLQuantizationType[qtype if is_matrix else "F32"]
         w.add_tensor(name, quantize(array, t), raw_dtype=t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
-    return path
+    return finish(w, tmp, path)

@@ -280,6 +280,13 @@ def write_tiny_gguf(
                 f"{type_name} block size {block}",
             )
         w.add_tensor(name, quantize(array, ggml_type), raw_dtype=ggml_type)
+    return finish(w, tmp, path)
+
+
+
+def finish(w, tmp: Path, path: Path) -> Path:
+    """Write GGUFWriter w's header, metadata and tensors to its file `tmp`, close it, and move
+    it to `path` (a reader never sees a half-written file); returns path."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

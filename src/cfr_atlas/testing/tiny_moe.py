@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from gguf.quants import quantize
 
 from cfr_atlas.errors import ConfigError
 from cfr_atlas.models.gguf_io import _Reader  # gguf's reader with fast string arrays
+from cfr_atlas.testing.tiny_gguf import finish
 
 MOE_ARCHS = ("llama", "qwen2moe", "qwen3moe", "olmoe")
 QK_NORM = {"qwen3moe": "head", "olmoe": "full"}  # absent: no QK-norm
@@ -202,9 +202,4 @@ def write_tiny_moe(path, *, arch: str = "qwen3moe", qtype: str = "Q8_0", n_layer
         t = GGMLQuantizationType[qtype if is_matrix else "F32"]
         data = random_blocks(rng, array, qtype) if is_matrix is BLOCKS else quantize(array, t)
         w.add_tensor(name, data, raw_dtype=t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
-    return path
+    return finish(w, tmp, path)
