@@ -8,8 +8,6 @@ load-time refusals (host memory, formats without a kernel, budgets holding no ex
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
@@ -21,17 +19,6 @@ from cfr_atlas.experts.store import Turn
 
 IDS = [5, 77, 300, 12, 40, 1000, 2000, 31, 9, 44, 4, 900, 17, 23]
 POLICIES = ("lru", "frequency", "pinned")
-
-
-@lru_cache(maxsize=4)
-def _model(path):
-    return load_model(path)
-
-
-@pytest.fixture(scope="module")
-def model(moe_file):
-    """qwen2moe (shared expert too): 2 layers, 8 experts, top-2."""
-    return _model(moe_file("qwen2moe"))
 
 
 @pytest.fixture(scope="module")

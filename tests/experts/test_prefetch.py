@@ -10,7 +10,6 @@ time, and logits equal the all-resident run's (np.array_equal) with it on or off
 from __future__ import annotations
 
 import time
-from functools import lru_cache
 
 import numpy as np
 import pytest
@@ -24,17 +23,6 @@ from cfr_atlas.quant.tiles import TILE_ROWS
 from cfr_atlas.testing.tiny_moe import random_blocks
 
 IDS = [5, 77, 300, 12, 40, 1000, 2000, 31, 9, 44, 4, 900, 17, 23]
-
-
-@lru_cache(maxsize=4)
-def _model(path):
-    return load_model(path)
-
-
-@pytest.fixture(scope="module")
-def model(moe_file):
-    """qwen2moe, Q8_0: 2 layers, 8 experts, top-2."""
-    return _model(moe_file("qwen2moe"))
 
 
 @pytest.fixture(scope="module")
