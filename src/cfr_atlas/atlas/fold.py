@@ -294,13 +294,13 @@ def _merge_item(w, m, l, acc, sinks, out):
             out[t, h, g, e] = np.float32(a[e] / ll)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _merge_serial(m, l, acc, sinks, out):
     for w in range(m.shape[0] * m.shape[1]):
         _merge_item(w, m, l, acc, sinks, out)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def _merge_parallel(m, l, acc, sinks, out):
     for w in prange(m.shape[0] * m.shape[1]):
         _merge_item(w, m, l, acc, sinks, out)

@@ -67,7 +67,7 @@ def _block_sum(block, row0):
     return s
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def page_checksum(k_page, v_page):
     """k_page (D, P), v_page (P, D) in storage dtype -> uint32 checksum (module docstring)."""
     return _u32(_block_sum(k_page, 0) + _block_sum(v_page, k_page.shape[0]))
@@ -103,7 +103,7 @@ def row_delta(k_row, v_row, j):
     return _u32(s)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rows_delta(k_rows, v_rows, j0):
     """`row_delta` summed over tokens j0.. of rows (T, D): uint32."""
     s = np.uint64(0)

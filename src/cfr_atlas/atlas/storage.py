@@ -154,7 +154,7 @@ def format_of(dtype: StorageDtype):
     return FORMATS[dtype.code]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def widen_into(stored, fmt, out):
     """stored: (n, D) float32 or uint16 bits, fmt: `FORMATS[code]` -> out (n, D) float32."""
     n, d = stored.shape
@@ -163,7 +163,7 @@ def widen_into(stored, fmt, out):
             out[i, j] = to_f32(stored[i, j], fmt)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def stage_f32(k_rows, v_rows, kt_out, v_out):
     """float32 storage: copy rows (n, D) into a scratch page, K transposed (D, n), V as rows;
     returns False if any value is not finite (all-ones exponent), the caller then raises."""

@@ -40,9 +40,12 @@ This module does not decide what is resident; the Atlas does.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import queue
 import struct
+import threading
 import uuid
 from pathlib import Path
 
@@ -80,17 +83,91 @@ def clean_stale(folder: Path) -> int:
     return removed
 
 
+READ_AHEAD_LAYERS = 2  # layers past the one being folded whose pages are asked for
+
+
 def _advise(fd: int, ranges: list[tuple[int, int]]) -> None:
-    """Ask the kernel to start reading `ranges` of the file (POSIX_FADV_WILLNEED submits the
-    reads and returns; a few microseconds when the pages are cached already). A hint only:
-    the fold reads the pages either way. Called for layer l + 1 as layer l is mapped, so the
-    disk reads the next layer while this one folds. (A thread for it cost more: measured,
-    handing each hint to a worker thread took ~400 us of the main thread per layer.)"""
+    """Ask the kernel to start reading `ranges` of the file (POSIX_FADV_WILLNEED). A hint
+    only: the fold reads the pages either way. Not free: the kernel walks cached pages (~8 us
+    for 512 KiB, ~100 us for 3 MiB, measured), hence `_cached` first, and it allocates and
+    submits the reads of uncached ones (~150 us per 512 KiB range, measured), hence
+    `_Reader`."""
     for offset, length in ranges:
         try:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
         except OSError:
             return  # e.g. the file was closed meanwhile
+
+
+READ_GAP = 256 << 10  # ranges closer than this are read as one (bigger reads, measured faster)
+
+
+def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`ranges` sorted, and merged where the gap between two is under READ_GAP bytes (holes
+    read as zeros without the disk; a few unneeded pages cost less than another request)."""
+    out: list[list[int]] = []
+    for offset, length in sorted(ranges):
+        if out and offset - (out[-1][0] + out[-1][1]) < READ_GAP:
+            out[-1][1] = max(out[-1][1], offset + length - out[-1][0])
+        else:
+            out.append([offset, length])
+    return [(a, n) for a, n in out]
+
+
+class _Reader:
+    """A thread that submits the read-ahead hints, so the compute thread does not spend
+    ~5 ms a layer in the kernel's read submission; it runs while the compute thread is in a
+    kernel (they release the GIL) or waits on a page. Started on the first hint."""
+
+    def __init__(self, fd: int, n_layers: int):
+        self._fd, self._queue = fd, queue.SimpleQueue()
+        self.pending = [False] * n_layers  # queued and not yet submitted
+        self._thread = threading.Thread(target=self._run, name="cfr-atlas-read-ahead",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, layer: int, ranges: list[tuple[int, int]]) -> None:
+        if not self.pending[layer]:
+            self.pending[layer] = True
+            self._queue.put((layer, ranges))
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            layer, ranges = job
+            _advise(self._fd, ranges)
+            self.pending[layer] = False
+
+    def stop(self) -> None:
+        """Wait for the hint being submitted (the descriptor stays open until then)."""
+        self._queue.put(None)
+        self._thread.join()
+
+
+def _mincore():
+    """libc's mincore(addr, length, vec), or None where it cannot be had."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.mincore
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MINCORE = _mincore()
+_VEC = (ctypes.c_ubyte * 1)()
+
+
+def _cached(address: int) -> bool:
+    """Whether the mapped file page holding `address` is in the OS page cache:
+    mincore, which only looks (~1 us). A read with RWF_NOWAIT would also answer, but it
+    starts the kernel's read-ahead (8 MiB here) as a side effect. Without mincore, False (the
+    caller then always hints)."""
+    page = address - address % mmap.PAGESIZE
+    if _MINCORE is None or _MINCORE(page, mmap.PAGESIZE, _VEC) != 0:
+        return False
+    return bool(_VEC[0] & 1)
 
 
 @njit(cache=True, nogil=True)
@@ -181,7 +258,13 @@ class SpillKv:
         self._reserved = [0] * n_layers  # pages of every head of a layer with disk blocks
         self._all_heads = np.arange(n_kv_heads, dtype=np.int64)
         self._all_heads_bytes = self._all_heads.tobytes()
-        self._ahead: dict[int, tuple[int, list]] = {}  # layer -> (pages, read-ahead ranges)
+        self._reader: _Reader | None = None
+        self._base = self._k.ctypes.data - HDR_BYTES  # the mapping's address (for mincore)
+        # per layer, the pages its last fold read from the file (all, until it first folds),
+        # and the read-ahead ranges they give (rebuilt when either changes)
+        self._want = np.ones(grid, dtype=np.bool_)
+        self._ahead: dict[int, tuple[int, int, list]] = {}  # layer -> (pages, version, ranges)
+        self._want_version = [0] * n_layers
         self._row_bytes = (head_dim + self.value_dim) * dtype.itemsize  # one token's K + V
         self.bytes_written = 0
         self.bytes_read = 0  # by `regenerate_page` (copies); the fold's reads are the Atlas's
@@ -224,7 +307,8 @@ class SpillKv:
         return {}
 
     def table_bytes(self) -> int:
-        return self.tokens.nbytes + self.sums.nbytes + self._slots3.nbytes + self._all_heads.nbytes
+        return (self.tokens.nbytes + self.sums.nbytes + self._slots3.nbytes
+                + self._all_heads.nbytes + self._want.nbytes)
 
     def _reserve(self, layer: int, pages: int) -> None:
         """Allocate disk blocks for the first `pages` pages of every head of `layer` (ENOSPC
@@ -264,7 +348,6 @@ class SpillKv:
         """Pages lo.. of `heads` (lens[i] rows each) where `need` (H, NP) is set, readable in
         place from the mapping; pages not held with exactly those rows are `missing`."""
         self._check_file()
-        _advise(self.fd, self._ranges((layer + 1) % self.n_layers))  # the next layer's pages
         hi = lo + len(lens)
         every = heads.tobytes() == self._all_heads_bytes  # every head, in order
         if not (0 <= layer < self.n_layers and hi <= self.n_pages and (every or (
@@ -278,6 +361,8 @@ class SpillKv:
         else:
             slot, tokens = self._slots3[layer, heads, lo:hi], self._tokens3[layer, heads, lo:hi]
             sums = self._sums3[layer, heads, lo:hi]
+        self._remember(layer, heads, lo, hi, need)
+        self._read_ahead(layer)
         return MappedPages(self._k, self._v, slot, sums, need & (tokens != lens))
 
     def regenerate_page(self, key: PageKey, tokens: range, k_out: np.ndarray,
@@ -300,17 +385,49 @@ class SpillKv:
         v_out[...] = widen(v_page[:n], self.dtype)
         self.bytes_read += n * self._row_bytes
 
+    def _remember(self, layer: int, heads: np.ndarray, lo: int, hi: int,
+                  need: np.ndarray) -> None:
+        """What this fold of `layer` reads from the file (`need`, pages lo..hi of `heads`):
+        its next read-ahead asks for those pages only (hot ones and those before a sliding
+        window are left on the disk)."""
+        want = self._want[layer, heads]
+        new = np.zeros_like(want)
+        new[:, lo:hi] = need
+        if not np.array_equal(want, new):
+            self._want[layer, heads] = new
+            self._want_version[layer] += 1
+
+    def _read_ahead(self, layer: int) -> None:
+        """Ask the disk for this layer's and the next READ_AHEAD_LAYERS layers' pages (the
+        last layers' wrap to the first of the next token) unless they are cached already; the
+        oldest page of a layer (its first range) stands for all of it: the page cache evicts
+        the oldest first."""
+        for step in range(READ_AHEAD_LAYERS + 1):
+            ahead = (layer + step) % self.n_layers
+            ranges = self._ranges(ahead)
+            if ranges and not _cached(self._base + ranges[0][0]):
+                if self._reader is None:
+                    self._reader = _Reader(self.fd, self.n_layers)
+                self._reader.submit(ahead, ranges)
+
     def _ranges(self, layer: int) -> list[tuple[int, int]]:
-        """(offset, length) of `layer`'s written pages: per head, one range in each slab
-        (kept until the layer gains a page)."""
-        pages = self._reserved[layer]
+        """(offset, length) of the written pages `layer`'s last fold read from the file: per
+        head, one range per run of such pages in each slab (kept until the layer gains a page
+        or its fold reads other pages)."""
+        pages, version = self._reserved[layer], self._want_version[layer]
         cached = self._ahead.get(layer)
-        if cached is None or cached[0] != pages:
-            cached = self._ahead[layer] = (pages, [
-                (base + s * size, pages * size)
-                for s in self._slots3[layer, :, 0].tolist() for base, size in self._slabs()
-                if pages])
-        return cached[1]
+        if cached is None or cached[:2] != (pages, version):
+            ranges = []
+            for h, row in enumerate(self._want[layer, :, :pages]):
+                row = row.copy()
+                row[-1:] = True  # the page the next row is written to (a store reads it first)
+                edges = np.flatnonzero(np.diff(row, prepend=False, append=False)).tolist()
+                s0 = int(self._slots3[layer, h, 0])
+                for base, size in self._slabs():
+                    ranges += [(base + (s0 + a) * size, (b - a) * size)
+                               for a, b in zip(edges[::2], edges[1::2], strict=True)]
+            cached = self._ahead[layer] = (pages, version, _coalesce(ranges))
+        return cached[2]
 
     def _slabs(self) -> list[tuple[int, int]]:
         """(file offset, bytes per page) of the K slab, then the V slab when V is stored."""
@@ -340,6 +457,9 @@ class SpillKv:
         self._close_fd()
 
     def _close_fd(self) -> None:
+        reader, self._reader = getattr(self, "_reader", None), None
+        if reader is not None:
+            reader.stop()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -24,47 +24,47 @@ _GELU_A = np.float32(0.044715)
 _SQRT_2_OVER_PI = np.float32(0.7978845608028654)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _silu1(v):
     """One float32 value: v / (1 + exp(-v))."""
     return v / (_ONE + np.exp(-v))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _gelu1(v):
     """One float32 value: 0.5*v*(1 + tanh(sqrt(2/pi)*v*(1 + 0.044715*v*v)))."""
     return _HALF * v * (_ONE + np.tanh(_SQRT_2_OVER_PI * v * (_ONE + _GELU_A * v * v)))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _silu_kernel(x, out):
     """x, out: (N,) f32."""
     for i in range(x.size):
         out[i] = _silu1(x[i])
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _gelu_kernel(x, out):
     """x, out: (N,) f32."""
     for i in range(x.size):
         out[i] = _gelu1(x[i])
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _swiglu_kernel(gate, up, out):
     """gate, up, out: (N,) f32; silu(gate) * up."""
     for i in range(gate.size):
         out[i] = _silu1(gate[i]) * up[i]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _geglu_kernel(gate, up, out):
     """gate, up, out: (N,) f32; gelu(gate) * up."""
     for i in range(gate.size):
         out[i] = _gelu1(gate[i]) * up[i]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _softcap_kernel(x, inv_cap, cap, out):
     """x, out: (N,) f32; inv_cap, cap: f32 scalars; tanh(x * (1/cap)) * cap as in ggml."""
     for i in range(x.size):

@@ -56,13 +56,13 @@ def _topk_row(t, q, w, kt, top_k, out):
         out[t, i] = -1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _topk_serial(q, w, kt, top_k, out):
     for t in range(q.shape[0]):
         _topk_row(t, q, w, kt, top_k, out)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def _topk_parallel(q, w, kt, top_k, out):
     for t in prange(q.shape[0]):
         _topk_row(t, q, w, kt, top_k, out)

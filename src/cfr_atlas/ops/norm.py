@@ -20,7 +20,7 @@ from cfr_atlas.ops._checks import as_f32, out_buffer
 _ONE = np.float32(1.0)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _rms_norm_kernel(x, weight, eps, out):
     """x: (N, D) f32, weight: (D,) f32, eps: f32 scalar, out: (N, D) f32 (may alias x)."""
     n_rows, dim = x.shape

@@ -20,7 +20,7 @@ from numba import njit
 from cfr_atlas.errors import DimensionError
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _wht_rows(x, scale):
     """In place on x (rows, n) float32."""
     rows, n = x.shape

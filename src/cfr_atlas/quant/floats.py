@@ -134,7 +134,7 @@ def _tile_f32(w, x, acc):
             acc[r] += (s0 + s1) + (s2 + s3)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _f32_kernel(x, w, out):
     """x (T, K_pad) float32, float32 tiles w -> out (T, N) float32; threads split the tiles."""
     N = out.shape[1]
@@ -147,7 +147,7 @@ def _f32_kernel(x, w, out):
             out[t, n0:n0 + lanes] = acc[:lanes]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _half_kernel(x, w, shift, special, scale, out):
     """x (T, K_pad) float32, 16-bit tiles w -> out (T, N) float32; threads split the tiles.
     Each tile is widened once into a float32 scratch (exact), then read as an F32 tile."""

@@ -59,7 +59,7 @@ AVX2 = _has_avx2()
 # --- activation quantization ---------------------------------------------------------------
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _quantize_block(x, k0, xq, xd, xsum, t, b):
     """One block of row x (from column k0) -> xq[t, k0:k0 + QK], xd[t, b], xsum[t, b]."""
     amax = np.float32(0.0)
@@ -83,7 +83,7 @@ def _quantize_block(x, k0, xq, xd, xsum, t, b):
     xsum[t, b] = s
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def quantize_rows(x, xq, xd, xsum):
     """x (T, K) float32 -> xq (T, K) int8, xd (T, K // QK) float32, xsum (T, K // QK) int32."""
     T, K = x.shape
@@ -303,7 +303,7 @@ def tile_kernel(nibbles: bool, term: int):
             else:
                 acc[r] += (d[k] * dx) * np.float32(isum[r]) + m[k] * (dx * np.float32(xs))
 
-    @njit(parallel=True, cache=True)
+    @njit(parallel=True, cache=True, nogil=True)
     def kernel(xq, xd, xsum, q, d, m, out):
         T, K = xq.shape
         N = out.shape[1]

@@ -115,7 +115,7 @@ def _unpack_rows(offset: Offset, tiles: Tiles, ids: np.ndarray | slice,
     return values(a, c, q, np.empty(q.shape, dtype=np.float32) if out is None else out, offset)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _block_sums(x, xsum, qk):
     """x (T, K) -> xsum (T, K // qk): each sub-block's sum of x in the phase order."""
     T, K = x.shape
@@ -196,7 +196,7 @@ def _kernel(qk: int, offset: bool):
     """The parallel kernel for sub-blocks of qk columns, with or without offsets: x (T, K)
     float32, tiles q, a, c -> out (T, N) float32; threads split the tiles."""
 
-    @njit(parallel=True, cache=True)
+    @njit(parallel=True, cache=True, nogil=True)
     def kernel(x, q, a, c, out):
         T, K = x.shape
         N = out.shape[1]

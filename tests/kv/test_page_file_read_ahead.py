@@ -1,0 +1,118 @@
+"""Read-ahead of the spill page file (kv/page_file.py): which byte ranges it asks the disk for,
+that it asks only for pages not cached, and that its thread ends with the file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cfr_atlas.atlas.storage import StorageDtype
+from cfr_atlas.kv import SpillKv
+from cfr_atlas.kv import page_file as pf
+
+P, D, L, H, N = 4, 8, 4, 2, 64
+
+
+@pytest.fixture
+def spill(tmp_path):
+    s = SpillKv(tmp_path, P, D, StorageDtype.FLOAT16, "ab" * 32, n_layers=L, n_kv_heads=H,
+                context_tokens=N)
+    rng = np.random.default_rng(0)
+    for layer in range(L):
+        k, v = (rng.standard_normal((40, H, D)).astype(np.float32) for _ in range(2))
+        s.record(layer, 0, None, k, v)  # 10 pages of each head
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def hinted(monkeypatch):
+    """Every (offset, length) handed to posix_fadvise(WILLNEED), in order."""
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(pf, "_advise", lambda fd, ranges: calls.extend(ranges))
+    return calls
+
+
+def _expected(spill, layer, want):
+    """The ranges of `want` (H, pages) plus each head's last page, by hand: one range per run
+    of pages per head and slab, then merged when closer than READ_GAP."""
+    out = []
+    for h in range(H):
+        row = list(want[h]) + []
+        row[-1] = True
+        slot0 = (layer * H + h) * spill.n_pages
+        for base, size in ((pf.HDR_BYTES, spill.page_bytes),
+                           (pf.HDR_BYTES + L * H * spill.n_pages * spill.page_bytes,
+                            spill.v_page_bytes)):
+            p = 0
+            while p < len(row):
+                if row[p]:
+                    q = p
+                    while q < len(row) and row[q]:
+                        q += 1
+                    out.append((base + (slot0 + p) * size, (q - p) * size))
+                    p = q
+                else:
+                    p += 1
+    out.sort()
+    merged = []
+    for a, n in out:
+        if merged and a - sum(merged[-1]) < pf.READ_GAP:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], a + n - merged[-1][0]))
+        else:
+            merged.append((a, n))
+    return merged
+
+
+def test_coalesce_merges_only_near_ranges():
+    g = pf.READ_GAP
+    assert pf._coalesce([(5 * g, 10), (0, 100), (100 + g - 1, 5)]) == [(0, g + 104),
+                                                                      (5 * g, 10)]
+    assert pf._coalesce([(0, 10), (10 + g, 1)]) == [(0, 10), (10 + g, 1)]
+    assert pf._coalesce([(0, 100), (10, 20)]) == [(0, 100)]  # contained
+    assert pf._coalesce([]) == []
+
+
+def test_ranges_cover_the_pages_the_last_fold_read_and_the_write_target(spill, monkeypatch):
+    monkeypatch.setattr(pf, "READ_GAP", 1)  # no merging: every run is its own range
+    pages = 10
+    assert spill._ranges(2) == _expected(spill, 2, np.ones((H, pages), bool))  # never folded
+    need = np.zeros((H, pages), bool)
+    need[0, 2:5] = need[1, 7] = True  # the rest was hot
+    lens = np.full(pages, P)
+    spill.map_pages(2, np.arange(H), 0, lens, need)
+    assert spill._ranges(2) == _expected(spill, 2, need)
+    # a sliding window: pages before `lo` are not read again
+    spill.map_pages(3, np.arange(H), 6, lens[6:], np.ones((H, 4), bool))
+    want = np.zeros((H, pages), bool)
+    want[:, 6:] = True
+    assert spill._ranges(3) == _expected(spill, 3, want)
+
+
+def test_only_uncached_layers_are_hinted_and_the_reader_stops_with_the_file(spill, hinted):
+    lens = np.full(10, P)
+    all_pages = np.ones((H, 10), bool)
+    spill.map_pages(0, np.arange(H), 0, lens, all_pages)  # just written: all cached
+    assert hinted == [] and spill._reader is None  # no hint, no thread
+    spill.evict_page_cache()
+    assert not pf._cached(spill._base + spill._ranges(1)[0][0])
+    spill.map_pages(0, np.arange(H), 0, lens, all_pages)
+    reader = spill._reader
+    assert reader is not None
+    reader.stop()  # drains the queue: every hint submitted
+    spill._reader = None
+    wanted = [r for layer in range(pf.READ_AHEAD_LAYERS + 1) for r in spill._ranges(layer)]
+    assert sorted(hinted) == sorted(wanted)
+    assert not reader._thread.is_alive()
+
+
+def test_close_joins_the_reader(tmp_path):
+    s = SpillKv(tmp_path, P, D, StorageDtype.FLOAT16, "ab" * 32, n_layers=L, n_kv_heads=H,
+                context_tokens=N)
+    k = np.ones((8, H, D), np.float32)
+    s.record(0, 0, None, k, k)
+    s.evict_page_cache()
+    s.map_pages(0, np.arange(H), 0, np.full(2, P), np.ones((H, 2), bool))
+    thread = s._reader._thread
+    s.close()
+    assert not thread.is_alive() and s.fd == -1
