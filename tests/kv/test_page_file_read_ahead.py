@@ -35,7 +35,7 @@ def hinted(monkeypatch):
 
 def _expected(spill, layer, want):
     """The ranges of `want` (H, pages) plus each head's last page, by hand: one range per run
-    of pages per head and slab, then merged when closer than READ_GAP."""
+    of pages per head and slab, then merged where they touch."""
     out = []
     for h in range(H):
         row = list(want[h]) + []
@@ -57,24 +57,21 @@ def _expected(spill, layer, want):
     out.sort()
     merged = []
     for a, n in out:
-        if merged and a - sum(merged[-1]) < pf.READ_GAP:
+        if merged and a <= sum(merged[-1]):
             merged[-1] = (merged[-1][0], max(merged[-1][1], a + n - merged[-1][0]))
         else:
             merged.append((a, n))
     return merged
 
 
-def test_coalesce_merges_only_near_ranges():
-    g = pf.READ_GAP
-    assert pf._coalesce([(5 * g, 10), (0, 100), (100 + g - 1, 5)]) == [(0, g + 104),
-                                                                      (5 * g, 10)]
-    assert pf._coalesce([(0, 10), (10 + g, 1)]) == [(0, 10), (10 + g, 1)]
+def test_coalesce_merges_only_touching_ranges():
+    assert pf._coalesce([(500, 10), (0, 100), (100, 5)]) == [(0, 105), (500, 10)]
+    assert pf._coalesce([(0, 10), (11, 1)]) == [(0, 10), (11, 1)]  # one byte apart: two reads
     assert pf._coalesce([(0, 100), (10, 20)]) == [(0, 100)]  # contained
     assert pf._coalesce([]) == []
 
 
-def test_ranges_cover_the_pages_the_last_fold_read_and_the_write_target(spill, monkeypatch):
-    monkeypatch.setattr(pf, "READ_GAP", 1)  # no merging: every run is its own range
+def test_ranges_cover_the_pages_the_last_fold_read_and_the_write_target(spill):
     pages = 10
     assert spill._ranges(2) == _expected(spill, 2, np.ones((H, pages), bool))  # never folded
     need = np.zeros((H, pages), bool)
@@ -87,6 +84,25 @@ def test_ranges_cover_the_pages_the_last_fold_read_and_the_write_target(spill, m
     want = np.zeros((H, pages), bool)
     want[:, 6:] = True
     assert spill._ranges(3) == _expected(spill, 3, want)
+    # a fold with every page hot: nothing of the layer is read ahead but the write target
+    spill.map_pages(1, np.arange(H), 0, lens, np.zeros((H, pages), bool))
+    assert spill._ranges(1) == _expected(spill, 1, np.zeros((H, pages), bool))
+    assert len(spill._ranges(1)) == 2 * H
+
+
+def test_a_store_into_an_evicted_page_asks_for_exactly_its_pages(spill, hinted):
+    spill.evict_page_cache()
+    k = np.ones((1, H, D), np.float32)
+    spill.record(2, 40, None, k, k)  # token 40: page 10 of each head (first row)
+    slot = [(2 * H + h) * spill.n_pages + 10 for h in range(H)]
+    v0 = pf.HDR_BYTES + L * H * spill.n_pages * spill.page_bytes
+    assert hinted == [r for s in slot for r in ((pf.HDR_BYTES + s * spill.page_bytes,
+                                                 spill.page_bytes),
+                                                (v0 + s * spill.v_page_bytes,
+                                                 spill.v_page_bytes))]
+    hinted.clear()
+    spill.record(2, 41, None, k, k)  # its page is cached now: no hint
+    assert hinted == []
 
 
 def test_only_uncached_layers_are_hinted_and_the_reader_stops_with_the_file(spill, hinted):

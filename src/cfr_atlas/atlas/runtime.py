@@ -458,9 +458,9 @@ class Atlas:
         """Point the misses the backend holds mapped at its slabs (src SRC_MAP); None if it
         maps nothing. Pages it lacks stay SRC_SCRATCH (regenerate_page then says why)."""
         map_pages = getattr(backend, "map_pages", None)
-        if map_pages is None or hot.all():
+        if map_pages is None:
             return None
-        maps = map_pages(layer, hidx, lo, lens, ~hot)
+        maps = map_pages(layer, hidx, lo, lens, ~hot)  # also when all are hot: it learns so
         use = ~hot & ~maps.missing
         src[use] = fold.SRC_MAP
         slots[use] = maps.slot[use]

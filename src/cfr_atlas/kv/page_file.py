@@ -83,7 +83,7 @@ def clean_stale(folder: Path) -> int:
     return removed
 
 
-READ_AHEAD_LAYERS = 2  # layers past the one being folded whose pages are asked for
+READ_AHEAD_LAYERS = 3  # layers past the one being folded whose pages are asked for
 
 
 def _advise(fd: int, ranges: list[tuple[int, int]]) -> None:
@@ -99,15 +99,12 @@ def _advise(fd: int, ranges: list[tuple[int, int]]) -> None:
             return  # e.g. the file was closed meanwhile
 
 
-READ_GAP = 256 << 10  # ranges closer than this are read as one (bigger reads, measured faster)
-
-
 def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """`ranges` sorted, and merged where the gap between two is under READ_GAP bytes (holes
-    read as zeros without the disk; a few unneeded pages cost less than another request)."""
+    """`ranges` sorted, and merged where they touch or overlap. (Merging across gaps of hot
+    pages was measured slower: with the hot pages spread, it reads the whole file.)"""
     out: list[list[int]] = []
     for offset, length in sorted(ranges):
-        if out and offset - (out[-1][0] + out[-1][1]) < READ_GAP:
+        if out and offset <= out[-1][0] + out[-1][1]:
             out[-1][1] = max(out[-1][1], offset + length - out[-1][0])
         else:
             out.append([offset, length])
@@ -235,6 +232,10 @@ class SpillKv:
             self._pwrite(header.ljust(HDR_BYTES, b"\0"), 0)
             os.ftruncate(self.fd, self.file_bytes)  # sparse: no blocks until rows arrive
             self._mm = mmap.mmap(self.fd, self.file_bytes, flags=mmap.MAP_SHARED)
+            # No fault read-around: on a fault the kernel would read 8 MiB around the page,
+            # synchronously, needed or not (the next layers' K, hot pages). What is read is
+            # what `_read_ahead` and `_fetch_write_target` ask for.
+            self._mm.madvise(mmap.MADV_RANDOM)
         except OSError as e:
             if self.fd >= 0:
                 self.path.unlink(missing_ok=True)
@@ -294,6 +295,8 @@ class SpillKv:
         last = (pos0 + n - 1) // self.page_tokens
         if last >= self._reserved[layer]:
             self._reserve(layer, last + 1)
+        if n == 1:
+            self._fetch_write_target(layer, pos0 // self.page_tokens)
         gap = _write_rows(self._k, self._v, self.tokens, self.sums, self._slots3[layer, :, 0],
                           pos0, k_st, v_st)
         if gap >= 0:
@@ -301,6 +304,20 @@ class SpillKv:
             raise CorruptPageError(f"{PageKey(layer, head, page * self.page_tokens)}: rows must "
                                    f"be appended in order (writing token {pos0})")
         self.bytes_written += (k_st.size + v_st.size) * self.dtype.itemsize
+
+    def _fetch_write_target(self, layer: int, page: int) -> None:
+        """Before a one-row store: if the page it goes to is not cached, ask for exactly the
+        K and V pages of every head (a store into an uncached mapped page reads it first, and
+        the fault alone would read 8 MiB around it, synchronously)."""
+        slots = self._slots3[layer, :, page]
+        k_off = HDR_BYTES + int(slots[0]) * self.page_bytes
+        if _cached(self._base + k_off):
+            return
+        ranges = []
+        for s in slots.tolist():
+            for base, size in self._slabs():
+                ranges.append((base + s * size, size))
+        _advise(self.fd, ranges)
 
     def allocations(self) -> dict[str, int]:
         """Nothing of the budget: the pages live in the OS page cache (file-backed)."""
