@@ -3,6 +3,8 @@ that it asks only for pages not cached, and that its thread ends with the file."
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -90,7 +92,9 @@ def test_ranges_cover_the_pages_the_last_fold_read_and_the_write_target(spill):
     assert len(spill._ranges(1)) == 2 * H
 
 
-def test_a_store_into_an_evicted_page_asks_for_exactly_its_pages(spill, hinted):
+def test_a_store_into_an_evicted_page_of_a_sparse_layer_asks_for_exactly_it(spill, hinted):
+    need = np.zeros((H, 10), bool)
+    spill.map_pages(2, np.arange(H), 0, np.full(10, P), need)  # every page hot: sparse
     spill.evict_page_cache()
     k = np.ones((1, H, D), np.float32)
     spill.record(2, 40, None, k, k)  # token 40: page 10 of each head (first row)
@@ -105,21 +109,47 @@ def test_a_store_into_an_evicted_page_asks_for_exactly_its_pages(spill, hinted):
     assert hinted == []
 
 
-def test_only_uncached_layers_are_hinted_and_the_reader_stops_with_the_file(spill, hinted):
+def _read_randomly(spill, layer: int) -> bool:
+    """Whether the kernel maps `layer`'s K slots MADV_RANDOM ("rr" in the VmFlags of its
+    mapping in /proc/self/smaps)."""
+    address = spill._base + pf.HDR_BYTES + layer * H * spill.n_pages * spill.page_bytes
+    area = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                area = lo <= address < hi
+            elif area and line.startswith("VmFlags:"):
+                return "rr" in line.split()
+    raise AssertionError("address not mapped")
+
+
+def test_dense_layers_are_left_to_the_kernel_sparse_ones_are_hinted(spill, hinted):
     lens = np.full(10, P)
-    all_pages = np.ones((H, 10), bool)
-    spill.map_pages(0, np.arange(H), 0, lens, all_pages)  # just written: all cached
-    assert hinted == [] and spill._reader is None  # no hint, no thread
+    dense, sparse = np.ones((H, 10), bool), np.zeros((H, 10), bool)
+    sparse[:, :3] = True  # 3 of 10 pages from the file: the rest are hot
     spill.evict_page_cache()
-    assert not pf._cached(spill._base + spill._ranges(1)[0][0])
-    spill.map_pages(0, np.arange(H), 0, lens, all_pages)
+    for layer in range(L):
+        spill.map_pages(layer, np.arange(H), 0, lens, dense)
+    assert hinted == [] and spill._reader is None  # dense: no hint, no thread
+    assert not any(_read_randomly(spill, layer) for layer in range(L))
+    spill.map_pages(2, np.arange(H), 0, lens, sparse)  # layer 2 turns sparse
+    assert spill._sparse == [False, False, True, False]
+    assert _read_randomly(spill, 2) and not _read_randomly(spill, 1)
     reader = spill._reader
     assert reader is not None
     reader.stop()  # drains the queue: every hint submitted
     spill._reader = None
-    wanted = [r for layer in range(pf.READ_AHEAD_LAYERS + 1) for r in spill._ranges(layer)]
-    assert sorted(hinted) == sorted(wanted)
+    assert sorted(hinted) == sorted(spill._ranges(2))  # exactly its needed pages
     assert not reader._thread.is_alive()
+    hinted.clear()
+    for offset, length in spill._ranges(2):  # (the fake hint read nothing) now it is cached
+        os.pread(spill.fd, length, offset)
+    spill.map_pages(1, np.arange(H), 0, lens, dense)  # layer 2 is 1 ahead: no hint
+    assert hinted == [] and spill._reader is None
+    spill.map_pages(2, np.arange(H), 0, lens, dense)  # dense again: the kernel's again
+    assert not _read_randomly(spill, 2) and spill._sparse == [False] * L
 
 
 def test_close_joins_the_reader(tmp_path):
@@ -128,7 +158,7 @@ def test_close_joins_the_reader(tmp_path):
     k = np.ones((8, H, D), np.float32)
     s.record(0, 0, None, k, k)
     s.evict_page_cache()
-    s.map_pages(0, np.arange(H), 0, np.full(2, P), np.ones((H, 2), bool))
+    s.map_pages(0, np.arange(H), 0, np.full(2, P), np.array([[True, False]] * H))
     thread = s._reader._thread
     s.close()
     assert not thread.is_alive() and s.fd == -1
