@@ -57,6 +57,10 @@ SRC_HOT, SRC_SCRATCH, SRC_MAP = 0, 1, 2
 _LOG2E = 1.4426950408889634
 _LN2_HI, _LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10
 _EXP_FLOOR = -708.0
+# 2**k from exponent bits without a float -> int conversion (AVX2 has none for packed doubles,
+# so an int64 cast kept the loop scalar): k + 2**52 + 1023 holds k + 1023 in its low mantissa
+# bits, and shifting those bits up by 52 gives the float64 2**k.
+_EXP_BIAS = 2.0**52 + 1023.0
 
 
 @njit(cache=True, inline="always")
@@ -65,7 +69,7 @@ def _exp_into(x, n_items, out, bits):
     scale = bits.view(np.float64)
     for j in range(n_items):
         xj = max(x[j], _EXP_FLOOR)
-        k = math.floor(xj * _LOG2E + 0.5)
+        k = np.floor(xj * _LOG2E + 0.5)  # a float: no scalar float -> int64 conversion
         r = (xj - k * _LN2_HI) - k * _LN2_LO
         p = 1.0 / 39916800.0
         p = p * r + 1.0 / 3628800.0
@@ -80,7 +84,9 @@ def _exp_into(x, n_items, out, bits):
         p = p * r + 1.0
         p = p * r + 1.0
         out[j] = p if x[j] > _EXP_FLOOR else 0.0
-        bits[j] = (np.int64(k) + 1023) << 52
+        scale[j] = k + _EXP_BIAS  # low bits k + 1023, exact: -1022 <= k <= 0
+    for j in range(n_items):  # 2**k: k + 1023 shifted into the exponent field
+        bits[j] = bits[j] << 52
     for j in range(n_items):
         out[j] *= scale[j]
 
@@ -136,7 +142,7 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state):
     p = np.empty((n_grp, page_tokens), dtype=np.float32)
     bits = np.empty(page_tokens, dtype=np.int64)
     ag = np.empty((n_grp, dv), dtype=np.float32)
-    vt = np.empty(dv, dtype=np.float32)
+    v4 = np.empty((4, dv), dtype=np.float32)  # four V rows widened to float32
     for gp in range(max(part * split, lo), min((part + 1) * split, lo + n_pg)):
         f = h * n_pg + gp - lo
         if f < a or f >= b:
@@ -198,14 +204,23 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state):
                         a_ge += p[g, j] * to_f32(ke[j0 + j], fmt)
                     ag[g, e] = a_ge
         else:
-            for j in range(n):  # the page's sum of p V, keys in order; each V row read once
-                vrow = vf[j0 + j]
+            n4 = n - n % 4
+            for j in range(0, n4, 4):  # four keys per pass over ag; each (g, e) sums keys in order
+                for r in range(4):
+                    for e in range(d):
+                        v4[r, e] = to_f32(vf[j0 + j + r, e], fmt)
+                for g in range(n_grp):
+                    p0, p1, p2, p3 = p[g, j], p[g, j + 1], p[g, j + 2], p[g, j + 3]
+                    for e in range(d):
+                        ag[g, e] = (((ag[g, e] + p0 * v4[0, e]) + p1 * v4[1, e])
+                                    + p2 * v4[2, e]) + p3 * v4[3, e]
+            for j in range(n4, n):  # the last n % 4 keys, one at a time
                 for e in range(d):
-                    vt[e] = to_f32(vrow[e], fmt)
+                    v4[0, e] = to_f32(vf[j0 + j, e], fmt)
                 for g in range(n_grp):
                     pj = p[g, j]
                     for e in range(d):
-                        ag[g, e] += pj * vt[e]
+                        ag[g, e] += pj * v4[0, e]
         for g in range(n_grp):
             for e in range(dv):
                 acc[t, h, part, g, e] += np.float64(ag[g, e])
