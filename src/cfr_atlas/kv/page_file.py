@@ -309,9 +309,10 @@ class SpillKv:
         self.bytes_written += (k_st.size + v_st.size) * self.dtype.itemsize
 
     def _fetch_write_target(self, layer: int, page: int) -> None:
-        """Before a one-row store: if the page it goes to is not cached, ask for exactly the
-        K and V pages of every head (a store into an uncached mapped page reads it first, and
-        the fault alone would read 8 MiB around it, synchronously)."""
+        """Before a one-row store into a sparse layer (`MADV_RANDOM`): if the page it goes to
+        is not cached, ask for exactly the K and V pages of every head at once (a store into an
+        uncached mapped page reads it first; the faults alone would read them one by one,
+        synchronously). A dense layer's fault reads around the page: nothing to do."""
         slots = self._slots3[layer, :, page]
         k_off = HDR_BYTES + int(slots[0]) * self.page_bytes
         if not self._sparse[layer] or _cached(self._base + k_off):
