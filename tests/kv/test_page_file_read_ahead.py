@@ -40,7 +40,7 @@ def _expected(spill, layer, want):
     of pages per head and slab, then merged where they touch."""
     out = []
     for h in range(H):
-        row = list(want[h]) + []
+        row = list(want[h])
         row[-1] = True
         slot0 = (layer * H + h) * spill.n_pages
         for base, size in ((pf.HDR_BYTES, spill.page_bytes),

@@ -317,11 +317,7 @@ class SpillKv:
         k_off = HDR_BYTES + int(slots[0]) * self.page_bytes
         if not self._sparse[layer] or _cached(self._base + k_off):
             return
-        ranges = []
-        for s in slots.tolist():
-            for base, size in self._slabs():
-                ranges.append((base + s * size, size))
-        _advise(self.fd, ranges)
+        _advise(self.fd, [r for s in slots.tolist() for r in self._page_ranges(s, 1)])
 
     def allocations(self) -> dict[str, int]:
         """Nothing of the budget: the pages live in the OS page cache (file-backed)."""
@@ -467,11 +463,14 @@ class SpillKv:
                 row[-1:] = True  # the page the next row is written to (a store reads it first)
                 edges = np.flatnonzero(np.diff(row, prepend=False, append=False)).tolist()
                 s0 = int(self._slots3[layer, h, 0])
-                for base, size in self._slabs():
-                    ranges += [(base + (s0 + a) * size, (b - a) * size)
-                               for a, b in zip(edges[::2], edges[1::2], strict=True)]
+                for a, b in zip(edges[::2], edges[1::2], strict=True):
+                    ranges += self._page_ranges(s0 + a, b - a)
             cached = self._ahead[layer] = (pages, version, _coalesce(ranges))
         return cached[2]
+
+    def _page_ranges(self, slot: int, pages: int) -> list[tuple[int, int]]:
+        """(offset, length) in each slab of `pages` slots from `slot`."""
+        return [(base + slot * size, pages * size) for base, size in self._slabs()]
 
     def _slabs(self) -> list[tuple[int, int]]:
         """(file offset, bytes per page) of the K slab, then the V slab when V is stored."""
