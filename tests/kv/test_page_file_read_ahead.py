@@ -3,6 +3,8 @@ that it asks only for pages not cached, and that its thread ends with the file."
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 
 import numpy as np
@@ -125,15 +127,16 @@ def _read_randomly(spill, layer: int) -> bool:
     raise AssertionError("address not mapped")
 
 
-def test_dense_layers_are_left_to_the_kernel_sparse_ones_are_hinted(spill, hinted):
+def test_dense_layers_are_not_hinted_sparse_ones_are(spill, hinted):
     lens = np.full(10, P)
     dense, sparse = np.ones((H, 10), bool), np.zeros((H, 10), bool)
     sparse[:, :3] = True  # 3 of 10 pages from the file: the rest are hot
     spill.evict_page_cache()
     for layer in range(L):
         spill.map_pages(layer, np.arange(H), 0, lens, dense)
-    assert hinted == [] and spill._reader is None  # dense: no hint, no thread
+    assert hinted == [] and spill._reader is None  # dense: no hint (pulled), no reader
     assert not any(_read_randomly(spill, layer) for layer in range(L))
+    spill.evict_page_cache()
     spill.map_pages(2, np.arange(H), 0, lens, sparse)  # layer 2 turns sparse
     assert spill._sparse == [False, False, True, False]
     assert _read_randomly(spill, 2) and not _read_randomly(spill, 1)
@@ -162,3 +165,84 @@ def test_close_joins_the_reader(tmp_path):
     thread = s._reader._thread
     s.close()
     assert not thread.is_alive() and s.fd == -1
+
+
+@pytest.fixture
+def pulls(monkeypatch):
+    """Every (address, length, advice) the pull threads hand to madvise, then the real call."""
+    calls: list[tuple[int, int, int]] = []
+    real = pf._MADVISE
+
+    def record(address, length, advice):
+        calls.append((address, length, advice))
+        return real(address, length, advice)
+
+    if real is None:
+        pytest.skip("no libc madvise here")
+    monkeypatch.setattr(pf, "_MADVISE", record)
+    return calls
+
+
+def _by_slab(spill, layers):
+    """The pull threads' expected madvise calls per slab: each layer's ranges in order, from
+    a page boundary."""
+    v0 = pf.HDR_BYTES + L * H * spill.n_pages * spill.page_bytes
+    out = {0: [], 1: []}
+    for layer in layers:
+        for offset, length in spill._ranges(layer):
+            address = spill._base + offset
+            a = address - address % 4096
+            out[int(offset >= v0)].append((a, length + address - a, pf.MADV_POPULATE_READ))
+    return out
+
+
+def test_a_cold_dense_layer_and_the_cold_dense_layers_after_it_are_pulled(spill, pulls):
+    lens, dense = np.full(10, P), np.ones((H, 10), bool)
+    for layer in range(L):  # every layer dense (each fold reads every page)
+        spill.map_pages(layer, np.arange(H), 0, lens, dense)
+    spill.evict_page_cache()
+    pulls.clear()
+    spill.map_pages(1, np.arange(H), 0, lens, dense)  # layer 1 cold: 1, 2, 3 are pulled
+    puller = spill._puller
+    assert puller is not None and not puller.pending[1] and puller.pending[2:] == [True, True]
+    for layer in (2, 3):
+        spill.map_pages(layer, np.arange(H), 0, lens, dense)  # waits for its pull
+    assert puller.pending == [False] * L
+    expected = _by_slab(spill, [1, 2, 3])
+    assert sorted(pulls) == sorted(expected[0] + expected[1])
+    for slab in (0, 1):  # each stream walks its slab in layer order
+        mine = [c for c in pulls if c in expected[slab]]
+        assert mine == expected[slab]
+    pulls.clear()
+    spill.map_pages(1, np.arange(H), 0, lens, dense)  # cached now: nothing pulled
+    assert pulls == []
+    thread = puller._threads[0]
+    spill.close()
+    assert not thread.is_alive() and spill._puller is None
+
+
+def test_sparse_layers_are_not_pulled(spill, pulls, hinted):
+    lens, sparse = np.full(10, P), np.zeros((H, 10), bool)
+    sparse[:, :2] = True
+    spill.evict_page_cache()
+    spill.map_pages(0, np.arange(H), 0, lens, sparse)
+    assert pulls == [] and spill._puller is None and spill._sparse[0]
+
+
+def test_a_kernel_without_populate_read_leaves_dense_layers_to_the_faults(spill, monkeypatch):
+    calls = []
+
+    def refuse(address, length, advice):
+        calls.append(advice)
+        ctypes.set_errno(errno.EINVAL)
+        return -1
+
+    monkeypatch.setattr(pf, "_MADVISE", refuse)
+    lens, dense = np.full(10, P), np.ones((H, 10), bool)
+    spill.evict_page_cache()
+    spill.map_pages(0, np.arange(H), 0, lens, dense)  # returns: the wait is released
+    assert calls and not spill._puller.supported
+    n = len(calls)
+    spill.evict_page_cache()
+    spill.map_pages(0, np.arange(H), 0, lens, dense)
+    assert len(calls) == n  # not asked again

@@ -41,6 +41,7 @@ This module does not decide what is resident; the Atlas does.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import queue
@@ -144,6 +145,85 @@ class _Reader:
         """Wait for the hint being submitted (the descriptor stays open until then)."""
         self._queue.put(None)
         self._thread.join()
+
+
+MADV_POPULATE_READ = 22  # Linux >= 5.14: fault a range of the mapping in, reading it
+
+
+def _madvise():
+    """libc's madvise(addr, length, advice), or None where it cannot be had. (Python's
+    `mmap.madvise` holds the GIL while the kernel reads; a ctypes call releases it.)"""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _madvise()
+
+
+class _Puller:
+    """Threads that read a dense layer's pages into memory before its fold needs them: one
+    per slab (K, V), each walking its slab's ranges layer by layer in file order with
+    madvise(MADV_POPULATE_READ), which faults the pages in as the fold would but without the
+    GIL, so the compute thread folds layer L while the layers after it are read. Measured at
+    4,096 tokens, page file evicted before each token, one process, interleaved: 181-196 ms
+    a token against 224-232 ms with the fold faulting alone (two runs). Raw, with no compute,
+    two such streams read 1.3-1.6x as fast as one sequential read of the file.
+
+    `pull` queues a layer; `wait` blocks until both streams are past it (or `WAIT_S`, after
+    which the fold's own faults read what is left: a timing bound, never a result). Where the
+    kernel refuses the advice (before Linux 5.14), `supported` turns False and the page file
+    leaves dense layers to the kernel's read-around, as before."""
+
+    WAIT_S = 30.0
+
+    def __init__(self, n_layers: int, streams: int):
+        self.supported = True
+        self._queues = [queue.SimpleQueue() for _ in range(streams)]
+        self._done = [[threading.Event() for _ in range(n_layers)] for _ in range(streams)]
+        self.pending = [False] * n_layers  # pulled and not yet waited for
+        self._stopping = False
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True,
+                                          name=f"cfr-atlas-pull-{i}") for i in range(streams)]
+        for t in self._threads:
+            t.start()
+
+    def pull(self, layer: int, ranges: list[list[tuple[int, int]]]) -> None:
+        """Queue `layer`: ranges[i] (address, length) for stream i."""
+        self.pending[layer] = True
+        for q, done, rs in zip(self._queues, self._done, ranges, strict=True):
+            done[layer].clear()
+            q.put((layer, rs))
+
+    def wait(self, layer: int) -> None:
+        for done in self._done:
+            done[layer].wait(self.WAIT_S)
+        self.pending[layer] = False
+
+    def _run(self, i: int) -> None:
+        while (job := self._queues[i].get()) is not None:
+            layer, ranges = job
+            for address, length in ranges:
+                if self._stopping or not self.supported:
+                    break
+                a = address - address % mmap.PAGESIZE
+                if _MADVISE(a, length + address - a, MADV_POPULATE_READ) != 0:
+                    if ctypes.get_errno() == errno.EINVAL:
+                        self.supported = False  # an older kernel: the faults read
+                    break  # e.g. EFAULT: the fold's own checks report a damaged file
+            self._done[i][layer].set()
+
+    def stop(self) -> None:
+        """Skip what is queued, wait for the read in progress (the mapping stays until then)."""
+        self._stopping = True
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join()
 
 
 def _mincore():
@@ -262,6 +342,7 @@ class SpillKv:
         self._all_heads = np.arange(n_kv_heads, dtype=np.int64)
         self._all_heads_bytes = self._all_heads.tobytes()
         self._reader: _Reader | None = None
+        self._puller: _Puller | None = None  # started on the first cold dense layer
         self._base = self._k.ctypes.data - HDR_BYTES  # the mapping's address (for mincore)
         # per layer, the pages its last fold read from the file (all, until it first folds),
         # and the read-ahead ranges they give (rebuilt when either changes)
@@ -309,15 +390,20 @@ class SpillKv:
         self.bytes_written += (k_st.size + v_st.size) * self.dtype.itemsize
 
     def _fetch_write_target(self, layer: int, page: int) -> None:
-        """Before a one-row store into a sparse layer (`MADV_RANDOM`): if the page it goes to
-        is not cached, ask for exactly the K and V pages of every head at once (a store into an
-        uncached mapped page reads it first; the faults alone would read them one by one,
-        synchronously). A dense layer's fault reads around the page: nothing to do."""
+        """Before a one-row store: a store into an uncached mapped page reads it first. In a
+        dense layer, a cold target page means a cold layer: it is pulled (`_pull`) with the
+        cold layers after it. In a sparse layer (`MADV_RANDOM`), exactly the K and V pages of
+        every head are asked for at once (the faults alone would read them one by one,
+        synchronously)."""
         slots = self._slots3[layer, :, page]
         k_off = HDR_BYTES + int(slots[0]) * self.page_bytes
-        if not self._sparse[layer] or _cached(self._base + k_off):
-            return
-        _advise(self.fd, [r for s in slots.tolist() for r in self._page_ranges(s, 1)])
+        if not self._sparse[layer]:
+            # the first store of a decode step reaches a layer before its fold does: a cold
+            # page here starts the pulls (the store's fault would read 8 MiB around the
+            # page on its own, competing with them)
+            self._pull(layer, lambda: not _cached(self._base + k_off))
+        elif not _cached(self._base + k_off):
+            _advise(self.fd, [r for s in slots.tolist() for r in self._page_ranges(s, 1)])
 
     def allocations(self) -> dict[str, int]:
         """Nothing of the budget: the pages live in the OS page cache (file-backed)."""
@@ -436,10 +522,15 @@ class SpillKv:
                 return  # a hint
 
     def _read_ahead(self, layer: int) -> None:
-        """Ask the disk for this layer's and the next READ_AHEAD_LAYERS layers' pages (the
-        last layers' wrap to the first of the next token) unless they are cached already; the
-        oldest page of a layer (its first range) stands for all of it: the page cache evicts
-        the oldest first."""
+        """Before `layer`'s fold: pages not cached are read ahead. A dense layer found cold
+        starts `_Puller` on it and on every cold dense layer after it; the fold then waits for
+        this layer's pages (it would otherwise fault on them itself, a second stream at the
+        disk). Sparse layers: hints for this layer's and the next READ_AHEAD_LAYERS layers'
+        needed pages (the last layers' wrap to the first of the next token). The oldest page
+        of a layer (its first range) stands for all of it: the page cache evicts the oldest
+        first."""
+        if not self._sparse[layer]:
+            self._pull(layer, lambda: self._cold(layer))
         for step in range(READ_AHEAD_LAYERS + 1):
             ahead = (layer + step) % self.n_layers
             if not self._sparse[ahead]:
@@ -449,6 +540,38 @@ class SpillKv:
                 if self._reader is None:
                     self._reader = _Reader(self.fd, self.n_layers)
                 self._reader.submit(ahead, ranges)
+
+    def _pull(self, layer: int, cold) -> None:
+        """Dense `layer`'s pages in memory before it is read or written: wait for its pull if
+        one is under way, else, if `cold()` says the pages are not cached, pull it and the
+        cold dense layers after it, then wait for it."""
+        puller = self._puller
+        if _MADVISE is None or (puller is not None and not puller.supported):
+            return  # the kernel's read-around
+        if not (puller is not None and puller.pending[layer]):
+            if not cold():
+                return
+            self._pull_from(layer)
+        self._puller.wait(layer)
+
+    def _cold(self, layer: int) -> bool:
+        ranges = self._ranges(layer)
+        return bool(ranges) and not _cached(self._base + ranges[0][0])
+
+    def _pull_from(self, layer: int) -> None:
+        """Queue `layer` and each later dense layer whose pages are not cached (this token's)
+        on the pull threads, one per slab."""
+        slabs = self._slabs()
+        if self._puller is None:
+            self._puller = _Puller(self.n_layers, len(slabs))
+        for ahead in range(layer, self.n_layers):
+            if self._sparse[ahead] or self._puller.pending[ahead] or not self._cold(ahead):
+                continue
+            per_slab = [[] for _ in slabs]
+            for offset, length in self._ranges(ahead):
+                i = sum(offset >= base for base, _ in slabs) - 1
+                per_slab[i].append((self._base + offset, length))
+            self._puller.pull(ahead, per_slab)
 
     def _ranges(self, layer: int) -> list[tuple[int, int]]:
         """(offset, length) of the written pages `layer`'s last fold read from the file: per
@@ -488,6 +611,9 @@ class SpillKv:
 
     def close(self) -> None:
         """Unmap (once nothing reads the mapping), remove the file, release the lock."""
+        puller, self._puller = getattr(self, "_puller", None), None
+        if puller is not None:
+            puller.stop()  # before the mapping goes
         self._k = self._v = None
         mm, self._mm = getattr(self, "_mm", None), None
         if mm is not None:
