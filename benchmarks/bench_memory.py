@@ -3,11 +3,14 @@
     PYTHONPATH=src python benchmarks/bench_memory.py [--contexts 1024,2048,4096,8192]
         [--budgets 50%,10%,min] [--decode-tokens 16] [--storage-dtype float16]
         [--regenerator spill|recompute] [--tiny-context 32768] [--no-cold]
-        [--plot out.png] [--json out.json]
+        [--plot out.png] [--json out.json] [--one-at-a-time]
 
 Per context (the bundled SmolLM2 on the shipped real text, plus one long context on a generated
-2-layer GGUF, `--tiny-context`) and per budget, one worker process. The unbounded run always
-comes first: it is the baseline for the ratios and for the bitwise check. Budgets: `N%` of the
+2-layer GGUF, `--tiny-context`) and per budget, one worker process. The workers of one context
+run side by side and take strict turns at the machine (`Turns`): one prefill chunk, one decode
+token or one sequential read at a time, round the ring, so every ratio compares the same
+minutes of a machine whose speed drifts (`--one-at-a-time` runs them one after another). The
+unbounded run is the baseline for the ratios and for the bitwise check. Budgets: `N%` of the
 full K/V at the context limit (context_limit x kv_bytes_per_token(storage itemsize)), `min` (the
 smallest budget a session accepts: the sum of `fixed_kv_bytes` for its parameters), or a size
 (`64MiB`). The budget's bytes are computed here, not parsed by the session.
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -45,6 +49,29 @@ import numpy as np
 from page_cache import resident_fraction, rss, sequential_read
 
 MIB = 1 << 20
+
+
+class Turns:
+    """A worker's turns at the machine. The budgets of one context run in worker processes
+    that live side by side and take strict turns (the driver hands a token round the ring): a
+    worker computes only inside `with turns:`, one prefill chunk or one decode token (or its
+    set-up, a sequential read) at a time, so the budgets' timed units alternate within a
+    fraction of a second of each other. On a machine whose speed drifts by 10-30% over
+    minutes, the ratios then compare the same minutes. Without descriptors (one worker alone,
+    tests), a turn is free."""
+
+    def __init__(self, fds: str | None = None):
+        self.go, self.done = (int(x) for x in fds.split(",")) if fds else (None, None)
+
+    def __enter__(self):
+        if self.go is not None and os.read(self.go, 1) != b".":
+            raise SystemExit("bench_memory worker: the driver went away")
+        return self
+
+    def __exit__(self, *exc):
+        if self.done is not None:
+            os.write(self.done, b".")
+        return False
 
 
 # --- measurements inside the worker -------------------------------------------------------------
@@ -85,19 +112,21 @@ def open_session(model, **kv):
     return model.session(**kv)
 
 
-def decode(model, s, logits, n: int, digest, evict=None) -> tuple[np.ndarray, dict]:
-    """`n` timed greedy tokens after `logits`; with `evict`, the page file is evicted from the
-    page cache before each token (outside the timed region) and bytes read are counted."""
+def decode(model, s, logits, n: int, digest, evict=None, turns=None) -> tuple[np.ndarray, dict]:
+    """`n` timed greedy tokens after `logits`, one turn each; with `evict`, the page file is
+    evicted from the page cache before each token (outside the timed region) and bytes read
+    are counted."""
     times, read, resident = [], 0, []
     for _ in range(n):
-        if evict is not None:
-            evict()
-            resident.append(resident_fraction(s.backend.path))
-        before = s.telemetry_summary()["page_file_bytes_read"]
-        tok = np.array([int(np.argmax(logits))], dtype=np.int64)
-        t0 = time.perf_counter()
-        logits = model.net.forward_chunk(s, tok, all_logits=False)[0]
-        times.append(time.perf_counter() - t0)
+        with turns or Turns():
+            if evict is not None:
+                evict()
+                resident.append(resident_fraction(s.backend.path))
+            before = s.telemetry_summary()["page_file_bytes_read"]
+            tok = np.array([int(np.argmax(logits))], dtype=np.int64)
+            t0 = time.perf_counter()
+            logits = model.net.forward_chunk(s, tok, all_logits=False)[0]
+            times.append(time.perf_counter() - t0)
         read += s.telemetry_summary()["page_file_bytes_read"] - before
         digest.update(logits.tobytes())
     out = {"tps": 1 / statistics.median(times), "tps_mean": n / sum(times),
@@ -108,23 +137,27 @@ def decode(model, s, logits, n: int, digest, evict=None) -> tuple[np.ndarray, di
     return logits, out
 
 
-def cold_decode(model, s, logits, n: int, unbounded: bool) -> tuple[np.ndarray, dict]:
+def cold_decode(model, s, logits, n: int, unbounded: bool,
+                turns=None) -> tuple[np.ndarray, dict]:
     """The cold phase: page file evicted before each token, between plain sequential reads."""
-    digest = hashlib.sha256()
+    digest, turns = hashlib.sha256(), turns or Turns()
     if unbounded:  # no page file: the same tokens, the baseline for the cold rows
-        return decode(model, s, logits, n, digest)
+        return decode(model, s, logits, n, digest, turns=turns)
     evict = getattr(s.backend, "evict_page_cache", None)
     path = getattr(s.backend, "path", None)
     if evict is None or path is None:
         kind = type(s.backend).__name__
         return logits, {"skipped": f"{kind} has no evict_page_cache() / path (cold rows need "
                                    "the memory-mapped page file)"}
-    evict()
-    reads = [sequential_read(path)]  # the disk's speed drifts: one read before, two after
-    logits, out = decode(model, s, logits, n, digest, evict)
-    for _ in range(2):
+    reads = []
+    with turns:
         evict()
-        reads.append(sequential_read(path))
+        reads.append(sequential_read(path))  # the disk's speed drifts: one read before, two after
+    logits, out = decode(model, s, logits, n, digest, evict, turns)
+    for _ in range(2):
+        with turns:
+            evict()
+            reads.append(sequential_read(path))
     out["sequential"] = sorted(reads, key=lambda r: r["gb_per_s"])[1]  # the median
     out["sequential_gb_per_s"] = [r["gb_per_s"] for r in reads]
     if out["gb_per_s"] is not None:
@@ -140,41 +173,73 @@ def warm_up(model, ids, kv: dict, cache_dir) -> None:
     s.close()
 
 
-def measure(spec: dict) -> dict:
+def measure(spec: dict, turns: Turns | None = None) -> dict:
     """One (context, budget) run; see the module docstring. spec: model, tiny, context,
     budget, decode_tokens, cold_phase, storage_dtype, regenerator."""
+    turns = turns or Turns()
+    with turns:  # set-up: imports, load, compile, the prompt
+        res = _measure_setup(spec)
+    if "skipped" in res:
+        return res
+    model, ids, kv, tmp = res.pop("_state")
+    try:
+        return _measure_run(spec, turns, res, model, ids, kv, tmp.name)
+    finally:
+        tmp.cleanup()
+
+
+def _measure_setup(spec: dict) -> dict:
     from cfr_atlas.engine import load_model
-    from cfr_atlas.generate import prefill
 
     model = load_model(spec["model"])
     ids = prompt_ids(model, spec["context"], spec["tiny"])
     n = spec["decode_tokens"]
     limit = spec["context"] + n * (2 if spec["cold_phase"] else 1)
     kv = {} if spec["storage_dtype"] is None else {"storage_dtype": spec["storage_dtype"]}
-    with tempfile.TemporaryDirectory() as tmp:
-        probe = open_session(model, cache_dir=tmp, context_limit=16, **kv)
-        cfg = probe.atlas.config  # the session's storage dtype and page size, default or given
-        probe.close()
-        res = budget_bytes(spec["budget"], model, limit, cfg.storage_dtype, cfg.dtype.itemsize,
-                           cfg.page_tokens, spec["regenerator"])
-        if res["budget_bytes"] is not None and res["budget_bytes"] < res["min_bytes"]:
-            return res | {"skipped": f"{res['budget_bytes']:,} bytes is below the smallest "
-                                     f"accepted budget {res['min_bytes']:,}"}
-        if res["budget_bytes"] is not None:
-            kv |= {"kv_budget": res["budget_bytes"], "regenerator": spec["regenerator"]}
-        warm_up(model, ids, kv, tmp)
-        res |= {"storage_dtype": cfg.storage_dtype, "phases": {"load": rss()}}
+    tmp = tempfile.TemporaryDirectory()
+    probe = open_session(model, cache_dir=tmp.name, context_limit=16, **kv)
+    cfg = probe.atlas.config  # the session's storage dtype and page size, default or given
+    probe.close()
+    res = budget_bytes(spec["budget"], model, limit, cfg.storage_dtype, cfg.dtype.itemsize,
+                       cfg.page_tokens, spec["regenerator"])
+    if res["budget_bytes"] is not None and res["budget_bytes"] < res["min_bytes"]:
+        tmp.cleanup()
+        return res | {"skipped": f"{res['budget_bytes']:,} bytes is below the smallest "
+                                 f"accepted budget {res['min_bytes']:,}"}
+    if res["budget_bytes"] is not None:
+        kv |= {"kv_budget": res["budget_bytes"], "regenerator": spec["regenerator"]}
+    warm_up(model, ids, kv, tmp.name)
+    return res | {"storage_dtype": cfg.storage_dtype, "phases": {"load": rss()},
+                  "_state": (model, ids, kv, tmp)}
+
+
+def _measure_run(spec, turns, res, model, ids, kv, tmp) -> dict:
+    from cfr_atlas.generate import prefill
+
+    n = spec["decode_tokens"]
+    limit = spec["context"] + n * (2 if spec["cold_phase"] else 1)
+    chunks, t0 = [], [0.0]
+
+    def next_chunk(_n):  # prefill's progress callback: a chunk is done, take the next turn
+        chunks.append(time.perf_counter() - t0[0])
+        turns.__exit__(None, None, None)
+        turns.__enter__()
+        t0[0] = time.perf_counter()
+
+    with turns:
         s = open_session(model, cache_dir=tmp, context_limit=limit, **kv)
-        t0 = time.perf_counter()
-        logits = prefill(model.net, s, ids)[0]
-        res["prefill_tps"] = len(ids) / (time.perf_counter() - t0)
-        res["phases"]["prefill"] = rss()
-        digest = hashlib.sha256(logits.tobytes())
-        logits, res["warm"] = decode(model, s, logits, n, digest)
-        res["phases"]["decode"] = rss()
-        if spec["cold_phase"]:
-            logits, res["cold"] = cold_decode(model, s, logits, n, res["budget_bytes"] is None)
-            res["phases"]["cold"] = rss()
+        t0[0] = time.perf_counter()
+        logits = prefill(model.net, s, ids, progress=next_chunk)[0]
+    res["prefill_tps"] = len(ids) / sum(chunks)
+    res["phases"]["prefill"] = rss()
+    digest = hashlib.sha256(logits.tobytes())
+    logits, res["warm"] = decode(model, s, logits, n, digest, turns=turns)
+    res["phases"]["decode"] = rss()
+    if spec["cold_phase"]:
+        logits, res["cold"] = cold_decode(model, s, logits, n, res["budget_bytes"] is None,
+                                          turns)
+        res["phases"]["cold"] = rss()
+    with turns:
         tel = s.telemetry_summary()
         s.close()
     return res | {"allocated_kv_peak": tel["peak_allocated_kv_bytes"],
@@ -184,11 +249,50 @@ def measure(spec: dict) -> dict:
 # --- the driver ---------------------------------------------------------------------------------
 def run_worker(spec: dict) -> dict:
     """`measure(spec)` in a fresh process (its RSS is this run's alone)."""
-    cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if res.returncode:
-        raise SystemExit(f"worker failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return run_ring([spec])[0]
+
+
+def run_ring(specs: list[dict]) -> list[dict]:
+    """`measure(spec)` of each spec in its own process, all alive at once and taking strict
+    turns (`Turns`): the driver hands each live worker the token in order and waits for it
+    back; a worker that has finished (its descriptor closed) leaves the ring. Worker output
+    goes to files, not pipes (a full pipe would stall a worker holding the token)."""
+    procs = []
+    with tempfile.TemporaryDirectory() as logs:
+        for i, spec in enumerate(specs):
+            go_r, go_w = os.pipe()
+            done_r, done_w = os.pipe()
+            out, err = (open(Path(logs) / f"{i}.{x}", "w+") for x in ("out", "err"))
+            cmd = [sys.executable, __file__, "--worker", json.dumps(spec),
+                   "--turn-fds", f"{go_r},{done_w}"]
+            p = subprocess.Popen(cmd, stdout=out, stderr=err, pass_fds=(go_r, done_w))
+            os.close(go_r)
+            os.close(done_w)
+            procs.append((p, go_w, done_r, out, err, cmd))
+        ring = list(range(len(procs)))
+        while ring:
+            for i in list(ring):
+                _, go_w, done_r = procs[i][:3]
+                try:
+                    os.write(go_w, b".")
+                    back = os.read(done_r, 1)
+                except BrokenPipeError:
+                    back = b""
+                if back != b".":  # finished (or died): out of the ring
+                    ring.remove(i)
+                    os.close(go_w)
+                    os.close(done_r)
+        results = []
+        for p, _, _, out, err, cmd in procs:
+            p.wait()
+            out.seek(0)
+            err.seek(0)
+            if p.returncode:
+                raise SystemExit(f"worker failed: {' '.join(cmd)}\n{err.read()[-3000:]}")
+            results.append(json.loads(out.read().strip().splitlines()[-1]))
+            out.close()
+            err.close()
+    return results
 
 
 def check_budget_spec(spec: str) -> str:
@@ -377,7 +481,11 @@ def parse_args(argv=None):
     ap.add_argument("--plot", default=None, help="write decode tokens/s vs budget (PNG)")
     ap.add_argument("--json", default=None, help="write the rows as JSON")
     ap.add_argument("--model", default=None, help="GGUF (default: the bundled SmolLM2)")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="run each budget's worker alone, one after another (default: the "
+                         "budgets of a context run side by side, taking turns)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--turn-fds", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.decode_tokens < 1:
         ap.error(f"--decode-tokens must be at least 1, got {a.decode_tokens}")
@@ -387,14 +495,24 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.worker:
-        print(json.dumps(measure(json.loads(a.worker))))
+        print(json.dumps(measure(json.loads(a.worker), Turns(a.turn_fds))))
         return 0
     rows = []
     with tempfile.TemporaryDirectory() as a.tmp:
+        groups: dict[tuple, list[dict]] = {}
         for spec in plans(a):
-            print(f"running {spec['context']:,} tokens, budget {spec['budget']}", file=sys.stderr,
-                  flush=True)
-            rows.append(spec | run_worker(spec))
+            groups.setdefault((spec["model"], spec["context"]), []).append(spec)
+        for (_, context), specs in groups.items():
+            budgets = ", ".join(s["budget"] for s in specs)
+            if a.one_at_a_time:
+                for spec in specs:
+                    print(f"running {context:,} tokens, budget {spec['budget']}",
+                          file=sys.stderr, flush=True)
+                    rows.append(spec | run_worker(spec))
+            else:
+                print(f"running {context:,} tokens, budgets {budgets} (taking turns)",
+                      file=sys.stderr, flush=True)
+                rows += [s | r for s, r in zip(specs, run_ring(specs), strict=True)]
     for r in (r for r in rows if "skipped" in r):
         print(f"skipped {r['context']:,} tokens, budget {r['budget']}: {r['skipped']}")
     rows = [r for r in rows if "skipped" not in r]

@@ -115,3 +115,23 @@ def test_budget_bytes_fraction_and_minimum(bench, tiny_gguf):
         "budget_bytes"] == least
     assert bench.budget_bytes("2KiB", model, 1000, "float16", 2, 256, "spill")[
         "budget_bytes"] == 2048
+
+
+def test_a_turn_waits_for_the_token_and_hands_it_back(bench):
+    go_r, go_w = os.pipe()
+    done_r, done_w = os.pipe()
+    turns = bench.Turns(f"{go_r},{done_w}")
+    os.write(go_w, b".")
+    with turns:
+        os.set_blocking(done_r, False)
+        with pytest.raises(BlockingIOError):  # not handed back while the turn runs
+            os.read(done_r, 1)
+    assert os.read(done_r, 1) == b"."
+    os.close(go_w)  # the driver went away: the next turn ends the worker
+    with pytest.raises(SystemExit):
+        with turns:
+            pass
+    for fd in (go_r, done_r, done_w):
+        os.close(fd)
+    with bench.Turns():  # alone: free
+        pass
