@@ -252,11 +252,13 @@ def run_worker(spec: dict) -> dict:
     return run_ring([spec])[0]
 
 
-def run_ring(specs: list[dict]) -> list[dict]:
+def run_ring(specs: list[dict], gap_s: float = 0.0) -> list[dict]:
     """`measure(spec)` of each spec in its own process, all alive at once and taking strict
     turns (`Turns`): the driver hands each live worker the token in order and waits for it
     back; a worker that has finished (its descriptor closed) leaves the ring. Worker output
-    goes to files, not pipes (a full pipe would stall a worker holding the token)."""
+    goes to files, not pipes (a full pipe would stall a worker holding the token). `gap_s`
+    between turns lets the last worker's OpenMP threads stop spinning (libgomp's default spins
+    a few ms after each parallel region) before the next worker's turn starts."""
     procs = []
     with tempfile.TemporaryDirectory() as logs:
         for i, spec in enumerate(specs):
@@ -273,6 +275,7 @@ def run_ring(specs: list[dict]) -> list[dict]:
         while ring:
             for i in list(ring):
                 _, go_w, done_r = procs[i][:3]
+                time.sleep(gap_s)
                 try:
                     os.write(go_w, b".")
                     back = os.read(done_r, 1)
@@ -484,6 +487,9 @@ def parse_args(argv=None):
     ap.add_argument("--one-at-a-time", action="store_true",
                     help="run each budget's worker alone, one after another (default: the "
                          "budgets of a context run side by side, taking turns)")
+    ap.add_argument("--turn-gap-ms", type=float, default=20.0,
+                    help="pause between two workers' turns (default 20: idle OpenMP threads "
+                         "stop spinning first)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--turn-fds", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -512,7 +518,8 @@ def main(argv=None) -> int:
             else:
                 print(f"running {context:,} tokens, budgets {budgets} (taking turns)",
                       file=sys.stderr, flush=True)
-                rows += [s | r for s, r in zip(specs, run_ring(specs), strict=True)]
+                rows += [s | r for s, r in zip(specs, run_ring(specs, a.turn_gap_ms / 1e3),
+                                               strict=True)]
     for r in (r for r in rows if "skipped" in r):
         print(f"skipped {r['context']:,} tokens, budget {r['budget']}: {r['skipped']}")
     rows = [r for r in rows if "skipped" not in r]
