@@ -246,3 +246,21 @@ def test_a_kernel_without_populate_read_leaves_dense_layers_to_the_faults(spill,
     spill.evict_page_cache()
     spill.map_pages(0, np.arange(H), 0, lens, dense)
     assert len(calls) == n  # not asked again
+
+
+def test_a_one_row_store_into_a_cold_dense_layer_starts_the_pulls(spill, pulls, hinted):
+    lens, dense = np.full(10, P), np.ones((H, 10), bool)
+    for layer in range(L):
+        spill.map_pages(layer, np.arange(H), 0, lens, dense)
+    spill.evict_page_cache()
+    pulls.clear()
+    k = np.ones((1, H, D), np.float32)
+    spill.record(2, 40, None, k, k)  # token 40: the first row of page 10 (reserved now)
+    puller = spill._puller
+    assert puller is not None and puller.pending == [False, False, False, True]
+    expected = _by_slab(spill, [2, 3])
+    spill.map_pages(3, np.arange(H), 0, lens, dense)
+    assert sorted(pulls) == sorted(expected[0] + expected[1])
+    assert hinted == []  # dense: no posix_fadvise
+    stored = spill._k[(2 * H) * spill.n_pages + 10, :, 0]  # the row was written
+    np.testing.assert_array_equal(stored.view(np.float16), np.ones(D, np.float16))
