@@ -35,3 +35,23 @@ def test_families_outside_the_import_are_found_by_architecture(tmp_path):
     deepseek = GGUFFile(write_tiny_deepseek2(tmp_path / "d.gguf"))
     assert type(config_of(gemma)).__name__ == "Gemma3Config"
     assert type(config_of(deepseek)).__name__ == "DeepSeek2Config"
+
+
+def _cli_process(args: list[str], tmp_path) -> subprocess.CompletedProcess:
+    """The CLI run as the console script runs it (main() without argv), with an atexit handler
+    registered first, which a skipped teardown must still run."""
+    code = ("import atexit, sys; from cfr_atlas import cli; "
+            "atexit.register(lambda: print('atexit ran', file=sys.stderr)); "
+            f"sys.argv = ['cfr-atlas', *{args!r}]; sys.exit(cli.main())")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+
+
+def test_console_exit_runs_atexit_and_keeps_output_and_code(tiny_llama, tmp_path):
+    ok = _cli_process(["inspect", str(tiny_llama)], tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("file: ") and "K/V bytes per token" in ok.stdout.splitlines()[-1]
+    assert ok.stderr.strip().endswith("atexit ran")
+    bad = _cli_process(["inspect", str(tmp_path / "missing.gguf")], tmp_path)
+    assert bad.returncode == 2 and "cfr-atlas: error:" in bad.stderr
+    assert bad.stderr.strip().endswith("atexit ran")
