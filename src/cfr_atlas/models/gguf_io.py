@@ -130,7 +130,9 @@ class _Reader(gguf.GGUFReader):
             head = [kv_klen, kv_kdata, raw_kv_type]
             size, parts, idxs, types = self._get_field_parts(offs, raw_kv_type[0])
             name = str(bytes(kv_kdata), encoding="utf-8")
-            idxs = [i + len(head) for i in idxs]
+            k = len(head)  # data indices count the key's parts too
+            idxs = list(range(idxs.start + k, idxs.stop + k, idxs.step)) \
+                if isinstance(idxs, range) else [i + k for i in idxs]
             if isinstance(parts, _ArrayParts):
                 parts.head = head + parts.head
                 field = _ArrayField(orig_offs, name, parts, idxs, types)
@@ -154,11 +156,11 @@ class _Reader(gguf.GGUFReader):
         if scalar is not None:  # one part per element, each a view of one element
             whole = self._get(offs, scalar, n)
             return 12 + whole.nbytes, _ArrayParts([raw_itype, alen], self._plain, whole=whole), \
-                list(range(2, 2 + n)), types
+                range(2, 2 + n), types
         starts, sizes = self._string_ranges(orig_offs, offs, n)
         end = starts[-1] + sizes[-1] if n else offs
         return end - orig_offs, _ArrayParts([raw_itype, alen], self._plain, starts=starts,
-                                            sizes=sizes), list(range(3, 2 + 2 * n, 2)), types
+                                            sizes=sizes), range(3, 2 + 2 * n, 2), types
 
     def _string_ranges(self, orig_offs: int, offs: int, n: int) -> tuple[list[int], list[int]]:
         """Byte offset and length of each of the n strings from `offs` (u64 length, bytes)."""
