@@ -98,7 +98,7 @@ class _Reader(gguf.GGUFReader):
     vocabulary's strings; and arrays of strings or scalars (vocabulary, merges, token types)
     walked in one loop with their parts made only when asked for (`_ArrayParts`). Same fields
     and parts as gguf's reader (a test compares them); tensor data are ndarray views of the
-    same map. Bundled model: ~2.5 s -> ~0.05 s."""
+    same map. Bundled model: ~2.5 s -> 0.05-0.09 s (CPU, docs/PERFORMANCE.md "Start-up")."""
 
     @property
     def data(self) -> np.memmap:
