@@ -336,7 +336,38 @@ def _inspect(a) -> None:
 
 
 def main(argv=None) -> int:
+    """Run one command; returns its exit code. Called without `argv` (the console script,
+    `python -m cfr_atlas.cli`) the process is ours: a one-shot command then ends it with
+    `_exit_now` instead of returning (tests and other callers pass `argv` and get the code)."""
     args = _parser().parse_args(argv)
+    code = _run(args)
+    if argv is None and args.cmd != "serve":  # the server's own shutdown stays as it is
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """Flush, run the atexit handlers (prefix-cache and Redis stores close there), then leave
+    without the interpreter's teardown, which frees every object of numba's compiler one by
+    one: ~0.6 s of a ~2 s `generate` (docs/PERFORMANCE.md, "Start-up"). A live non-daemon
+    thread would be joined by a normal exit, so then this returns and the exit is normal."""
+    import atexit
+    import os
+    import threading
+
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate()
+           if t is not threading.main_thread()):
+        return
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing left to write to
+            code = code or 1
+    os._exit(code)
+
+
+def _run(args: argparse.Namespace) -> int:
     commands = {"generate": _generate, "chat": _chat, "inspect": _inspect, "validate": _validate,
                 "serve": _serve, "fetch": _fetch}
     if args.cmd not in ("inspect", "fetch"):  # commands that run kernels: a cold cache says so

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -19,6 +20,7 @@ from cfr_atlas.models.families import load_net
 from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
 from cfr_atlas.models.prefix import DEFAULT_DISK_BYTES, PrefixTier, default_prefix_dir
 from cfr_atlas.models.session import Session, parse_bytes
+from cfr_atlas.ops import rms_norm
 from cfr_atlas.sampling import SamplingParams
 from cfr_atlas.text import ChatTemplate, Tokenizer
 
@@ -52,11 +54,30 @@ def load_model(path: str | os.PathLike | None = None, *,
     bitwise the same logits (docs/MOE.md). expert_policy: "lru", "frequency" or "pinned"
     (pins the experts most chosen in `routing_profile`, {(layer, expert): count}).
     """
+    _start_kernel_runtime()
     return Model(GGUFFile(path if path is not None else bundled_model_path()),
                  prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes,
                  prefix_store=prefix_store, prefix_store_ttl=prefix_store_ttl, matmul=matmul,
                  expert_budget=expert_budget, expert_policy=expert_policy,
                  routing_profile=routing_profile)
+
+
+def _start_kernel_runtime() -> None:
+    """Start numba's one-time set-up on a daemon thread, so it overlaps reading the file, the
+    repack and the tokenizer instead of delaying the first forward pass. The first kernel call
+    of a process builds numba's typing and target contexts and its runtime module (~0.35 s of
+    the bundled model's ~2 s start-up, measured in docs/PERFORMANCE.md "Start-up"); one tiny
+    rms_norm does it, with the overload the forward pass uses. Numba's compiler lock orders it
+    with the main thread's kernel calls; a failure here is left for the first real call to
+    raise, with its own traceback."""
+    threading.Thread(target=_touch_kernels, name="cfr-atlas-jit-setup", daemon=True).start()
+
+
+def _touch_kernels() -> None:
+    try:
+        rms_norm(np.ones((1, 8), dtype=np.float32), np.ones(8, dtype=np.float32), 1e-5)
+    except Exception:  # the main thread's own kernel call reports it
+        pass
 
 
 def _identity(file_identity: str, matmul: str) -> str:

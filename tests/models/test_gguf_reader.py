@@ -21,6 +21,9 @@ def _same(path) -> None:
         for x, y in zip(a.parts, b.parts, strict=True):
             assert x.dtype == y.dtype and np.array_equal(x, y), key
         assert a.contents() == b.contents(), key
+        if a.types[0] == gguf.GGUFValueType.ARRAY and a.data:  # one element, a slice of them
+            assert a.contents(-1) == b.contents(-1), key
+            assert a.contents(slice(1, None)) == b.contents(slice(1, None)), key
     assert ours.data_offset == ref.data_offset
     for s, t in zip(ref.tensors, ours.tensors, strict=True):
         assert (s.name, s.tensor_type, s.data_offset) == (t.name, t.tensor_type, t.data_offset)
@@ -44,6 +47,9 @@ def test_arrays_of_every_kind(tmp_path):
     w.write_tensors_to_file()
     w.close()
     _same(path)
+    gf = GGUFFile(path)
+    for key in ("strings", "empty", "ints", "nested", "name", "absent"):  # without decoding
+        assert gf.meta_len(key) == len(gf.meta(key, [])), key
 
 
 def test_tiny_model(tiny_gguf):

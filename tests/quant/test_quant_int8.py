@@ -225,7 +225,7 @@ def test_integer_simd_in_assembly(qtype):
 # --- load-time layouts -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [1, 15, 16, 17, 100])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 32, 33, 100])
 def test_nibble_tiles_equal_unpack_then_tile(n):
     """The float path's one-pass nibble repack == unpack, then to_tiles (Q4_1 and Q4_0)."""
     from cfr_atlas.quant.tiles import to_tiles

@@ -143,7 +143,7 @@ class DeepSeek2Config:
         return cls(
             arch=ARCH, n_layers=n_layers, dim=count("embedding_length"),
             n_heads=count("attention.head_count", high=LIMITS["heads"]),
-            vocab_size=count("vocab_size", len(gf.meta("tokenizer.ggml.tokens", []))
+            vocab_size=count("vocab_size", gf.meta_len("tokenizer.ggml.tokens")
                              or int(embd.shape[1]), high=LIMITS["vocab"]),
             context_length=count("context_length", 4096, high=LIMITS["context"]),
             norm_eps=gf.meta_float(f"{ARCH}.attention.layer_norm_rms_epsilon", 1e-6, high=1.0),

@@ -9,21 +9,24 @@ This module holds only the table and the two look-ups.
 
 from __future__ import annotations
 
+import importlib
+
 from cfr_atlas.errors import ConfigError, UnsupportedArchitectureError
-from cfr_atlas.models.deepseek2 import DeepSeek2Config, DeepSeek2Model
-from cfr_atlas.models.gemma3 import Gemma3Config, Gemma3Model
 from cfr_atlas.models.gguf_io import GGUFFile
 from cfr_atlas.models.llama import LlamaConfig, LlamaModel
 
-# architecture -> (model class, config class)
+# architecture -> (model class, config class); the other families' modules are imported when a
+# file of theirs is opened (module name, model class name, config class name), so a Llama
+# start-up does not load them
 FAMILIES = {
     "llama": (LlamaModel, LlamaConfig),  # with expert_count > 0: Mixtral's layout
     "qwen2": (LlamaModel, LlamaConfig),
     "qwen2moe": (LlamaModel, LlamaConfig),
     "qwen3moe": (LlamaModel, LlamaConfig),
     "olmoe": (LlamaModel, LlamaConfig),
-    "gemma3": (Gemma3Model, Gemma3Config),
-    "deepseek2": (DeepSeek2Model, DeepSeek2Config),  # MLA: one latent K/V stream per layer
+    "gemma3": ("cfr_atlas.models.gemma3", "Gemma3Model", "Gemma3Config"),
+    # MLA: one latent K/V stream per layer
+    "deepseek2": ("cfr_atlas.models.deepseek2", "DeepSeek2Model", "DeepSeek2Config"),
 }
 
 
@@ -33,7 +36,11 @@ def _family(gf: GGUFFile):
         raise UnsupportedArchitectureError(
             f"{gf.path.name}: architecture {arch!r} is not supported "
             f"(supported: {', '.join(sorted(FAMILIES))})")
-    return FAMILIES[arch]
+    family = FAMILIES[arch]
+    if isinstance(family[0], str):
+        module = importlib.import_module(family[0])
+        family = (getattr(module, family[1]), getattr(module, family[2]))
+    return family
 
 
 def load_net(gf: GGUFFile, *, matmul: str = "float", **experts):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import sys
+import struct
+from collections.abc import Sequence
 from pathlib import Path
 
 import gguf
@@ -33,12 +34,71 @@ def bundled_model_path() -> Path:
     raise ModelFormatError(f"the bundled model {BUNDLED_FILE} is not installed; {BUNDLED_HINT}")
 
 
+class _ArrayParts(Sequence):
+    """The parts gguf's reader lists for one metadata array field (the key's 3 parts, the item
+    type, the length, then per element a 1-element view, or a string's u64 length and bytes),
+    each made when indexed: a vocabulary has ~100,000 strings and start-up reads them only as
+    text (`contents()`), which decodes straight from the file's bytes. `whole` holds the
+    elements of a scalar array, `starts` and `sizes` each string's byte range in `plain`."""
+
+    def __init__(self, head: list, plain: np.ndarray, *, whole: np.ndarray | None = None,
+                 starts: list[int] | None = None, sizes: list[int] | None = None):
+        self.head, self.plain, self.whole = head, plain, whole
+        self.starts, self.sizes = starts, sizes
+        self.per_item = 1 if whole is not None else 2
+        self.n_items = len(whole) if whole is not None else len(starts)
+
+    def __len__(self) -> int:
+        return len(self.head) + self.per_item * self.n_items
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"part {index} of {len(self)}")
+        if index < len(self.head):
+            return self.head[index]
+        item, kind = divmod(index - len(self.head), self.per_item)
+        if self.whole is not None:
+            return self.whole[item:item + 1]
+        start = self.starts[item]
+        if kind == 0:  # the string's u64 length, just before its bytes
+            return self.plain[start - 8:start].view(np.uint64)
+        return self.plain[start:start + self.sizes[item]]
+
+    def values(self) -> list:
+        """The elements as Python values, as gguf's `ReaderField.contents()` returns them."""
+        if self.whole is not None:
+            return self.whole.tolist()
+        if not self.starts:
+            return []
+        base = self.starts[0]
+        raw = self.plain[base:self.starts[-1] + self.sizes[-1]].tobytes()
+        return [raw[s - base:s - base + n].decode("utf-8")
+                for s, n in zip(self.starts, self.sizes, strict=True)]
+
+
+class _ArrayField(gguf.ReaderField):
+    """A ReaderField whose parts are an `_ArrayParts`; the whole array's contents come from it
+    in one pass (gguf's own contents() would index every part)."""
+
+    __slots__ = ()
+
+    def contents(self, index_or_slice: int | slice = slice(None)):
+        if index_or_slice == slice(None):
+            return self.parts.values()
+        return super().contents(index_or_slice)
+
+
 class _Reader(gguf.GGUFReader):
     """gguf's reader with its one slicing primitive on a plain ndarray view of the map: slicing
     an np.memmap runs Python-level __getitem__ / __array_finalize__ hooks, ~200,000 times for a
-    vocabulary's strings; and string arrays (vocabulary, merges) parsed in one loop instead of
-    one recursive call per string. Same fields and parts as gguf's reader (a test compares
-    them); tensor data are ndarray views of the same map. Bundled model: ~2.5 s -> ~0.3 s."""
+    vocabulary's strings; and arrays of strings or scalars (vocabulary, merges, token types)
+    walked in one loop with their parts made only when asked for (`_ArrayParts`). Same fields
+    and parts as gguf's reader (a test compares them); tensor data are ndarray views of the
+    same map. Bundled model: ~2.5 s -> 0.05-0.09 s (CPU, docs/PERFORMANCE.md "Start-up")."""
 
     @property
     def data(self) -> np.memmap:
@@ -59,6 +119,29 @@ class _Reader(gguf.GGUFReader):
         order = self.byte_order if override_order is None else override_order
         return arr.view(arr.dtype.newbyteorder(order))
 
+    def _build_fields(self, offs: int, count: int) -> int:
+        """gguf's loop over the metadata key/values, keeping an array's parts lazy."""
+        for _ in range(count):
+            orig_offs = offs
+            kv_klen, kv_kdata = self._get_str(offs)
+            offs += int(kv_klen.nbytes + kv_kdata.nbytes)
+            raw_kv_type = self._get(offs, np.uint32)
+            offs += int(raw_kv_type.nbytes)
+            head = [kv_klen, kv_kdata, raw_kv_type]
+            size, parts, idxs, types = self._get_field_parts(offs, raw_kv_type[0])
+            name = str(bytes(kv_kdata), encoding="utf-8")
+            k = len(head)  # data indices count the key's parts too
+            idxs = list(range(idxs.start + k, idxs.stop + k, idxs.step)) \
+                if isinstance(idxs, range) else [i + k for i in idxs]
+            if isinstance(parts, _ArrayParts):
+                parts.head = head + parts.head
+                field = _ArrayField(orig_offs, name, parts, idxs, types)
+            else:
+                field = gguf.ReaderField(orig_offs, name, head + parts, idxs, types)
+            self._push_field(field, skip_sum=True)
+            offs += size
+        return offs
+
     def _get_field_parts(self, orig_offs: int, raw_type: int):
         if raw_type != _ARRAY or self.byte_order != "I":
             return super()._get_field_parts(orig_offs, raw_type)
@@ -72,22 +155,32 @@ class _Reader(gguf.GGUFReader):
         types = [_TYPES[_ARRAY]] + ([_TYPES[itype]] if n else [])
         if scalar is not None:  # one part per element, each a view of one element
             whole = self._get(offs, scalar, n)
-            return 12 + whole.nbytes, [raw_itype, alen, *(whole[i:i + 1] for i in range(n))], \
-                list(range(2, 2 + n)), types
-        parts, plain, mv = [raw_itype, alen], self._plain, memoryview(self._plain)
+            return 12 + whole.nbytes, _ArrayParts([raw_itype, alen], self._plain, whole=whole), \
+                range(2, 2 + n), types
+        starts, sizes = self._string_ranges(orig_offs, offs, n)
+        end = starts[-1] + sizes[-1] if n else offs
+        return end - orig_offs, _ArrayParts([raw_itype, alen], self._plain, starts=starts,
+                                            sizes=sizes), range(3, 2 + 2 * n, 2), types
+
+    def _string_ranges(self, orig_offs: int, offs: int, n: int) -> tuple[list[int], list[int]]:
+        """Byte offset and length of each of the n strings from `offs` (u64 length, bytes)."""
+        plain, u64 = self._plain, _U64.unpack_from
         if n > (plain.size - offs) // 8:  # each string needs at least its 8-byte length
             raise ValueError(f"array of {n} strings at byte {orig_offs} cannot fit in the file "
                              f"({plain.size} bytes)")
-        for _ in range(n):  # each string: u64 length, then the bytes
-            size = int.from_bytes(mv[offs:offs + 8], sys.byteorder)
-            if offs + 8 + size > plain.size:
-                raise ValueError(f"a string of {size} bytes at byte {offs} runs past the end "
+        starts, sizes = [0] * n, [0] * n
+        for i in range(n):
+            (size,) = u64(plain, offs)
+            offs += 8
+            if offs + size > plain.size:
+                raise ValueError(f"a string of {size} bytes at byte {offs - 8} runs past the end "
                                  f"of the file ({plain.size} bytes)")
-            parts += (plain[offs:offs + 8].view(np.uint64), plain[offs + 8:offs + 8 + size])
-            offs += 8 + size
-        return offs - orig_offs, parts, list(range(3, len(parts), 2)), types
+            starts[i], sizes[i] = offs, size
+            offs += size
+        return starts, sizes
 
 
+_U64 = struct.Struct("=Q")  # a GGUF length in host byte order (the fast paths' byte_order "I")
 _TYPES = {int(t): t for t in gguf.GGUFValueType}
 _ARRAY, _STRING = int(gguf.GGUFValueType.ARRAY), int(gguf.GGUFValueType.STRING)
 
@@ -139,6 +232,13 @@ class GGUFFile:
             return default
         value = field.contents()
         return value
+
+    def meta_len(self, key: str) -> int:
+        """len(meta(key, [])) without decoding an array's elements (the vocabulary's size)."""
+        field = self.reader.fields.get(key)
+        if field is not None and field.types[:1] == [gguf.GGUFValueType.ARRAY]:
+            return len(field.data)
+        return len(self.meta(key, []))
 
     def meta_int(self, key: str, default=..., *, low: int = 1, high: int = 1 << 31) -> int:
         """An integer metadata value in [low, high]; anything else (a float, a bool, a string,

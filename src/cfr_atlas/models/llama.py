@@ -140,7 +140,7 @@ class LlamaConfig:
             raise ModelFormatError(f"{gf.path.name}: metadata {arch}.rope.dimension_count = "
                                    f"{rope_dims} is odd (RoPE rotates pairs)")
         embd = gf.tensor("token_embd.weight")
-        vocab = count("vocab_size", len(gf.meta("tokenizer.ggml.tokens", []))
+        vocab = count("vocab_size", gf.meta_len("tokenizer.ggml.tokens")
                       or int(embd.shape[1]), high=LIMITS["vocab"])
         n_experts, n_used = _expert_counts(gf, arch, count)
         return cls(

@@ -55,19 +55,32 @@ def to_tiles(a: np.ndarray) -> np.ndarray:
 
 def nibble_tiles(qs: np.ndarray, offset: int = 0, dtype=np.uint8) -> np.ndarray:
     """qs (N, nb, 16) uint8 GGUF nibbles (low nibble q[j], high q[j + 16] of each block) ->
-    to_tiles of the unpacked (N, nb * 32) values minus `offset`, in `dtype`; written by one
-    strided pass per half instead of unpack, pad and transpose (a third of the load time)."""
+    to_tiles of the unpacked (N, nb * 32) values minus `offset`, in `dtype`; each half is
+    written by one strided ufunc straight into its place, no temporaries (unpack, pad and
+    transpose took a third of the load time; temporaries then half of what remained)."""
     rows, nb, half = qs.shape
     tiles = n_tiles(rows)
     out = np.zeros((tiles, nb, 2, half, TILE_ROWS), dtype=dtype)
     view = out.transpose(0, 4, 1, 2, 3)  # (tiles, TILE_ROWS, nb, 2, 16), a view of out
     full, rest = divmod(rows, TILE_ROWS)
-    for h, part in enumerate((qs & np.uint8(0x0F), qs >> np.uint8(4))):
-        values = part.astype(dtype) - dtype(offset)
-        view[:full, :, :, h, :] = values[:full * TILE_ROWS].reshape(full, TILE_ROWS, nb, half)
+    whole = qs[:full * TILE_ROWS].reshape(full, TILE_ROWS, nb, half)
+    for h, nibble in enumerate((_low_nibble, _high_nibble)):  # each straight into its place
+        nibble(whole, out=view[:full, :, :, h, :])
         if rest:
-            view[full, :rest, :, h, :] = values[full * TILE_ROWS:]
+            nibble(qs[full * TILE_ROWS:], out=view[full, :rest, :, h, :])
+    if offset:
+        np.subtract(out, dtype(offset), out=out)
+        if rest:  # the padding rows back to 0
+            view[full, rest:] = 0
     return out.reshape(tiles, -1)
+
+
+def _low_nibble(qs: np.ndarray, out: np.ndarray) -> None:
+    np.bitwise_and(qs, np.uint8(0x0F), out=out, casting="unsafe")  # 0..15 fit either dtype
+
+
+def _high_nibble(qs: np.ndarray, out: np.ndarray) -> None:
+    np.right_shift(qs, np.uint8(4), out=out, casting="unsafe")
 
 
 def gather_rows(tiles: np.ndarray, ids: np.ndarray | slice) -> np.ndarray:

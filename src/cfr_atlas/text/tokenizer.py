@@ -213,7 +213,9 @@ class Tokenizer:
         self._tokens = list(tokens)
         self._control = frozenset(_ids_of(types, TokenType.CONTROL))
         literal = self._control | set(_ids_of(types, TokenType.USER_DEFINED))
-        self._pieces = [_piece_bytes(t, i in literal) for i, t in enumerate(self._tokens)]
+        self._literal = literal  # ids whose piece is their text as written, not byte-level
+        # token_to_piece fills this on first use: start-up decodes a few tokens, not 49,152
+        self._pieces: list[bytes | None] = [None] * self.vocab_size
         self.eos_ids = self._end_of_generation(extra_eog_ids)
         self._hf = _build_hf(self._tokens, merges, types, spec)
         self._hf_text = _plain(self._hf)
@@ -323,7 +325,11 @@ class Tokenizer:
             raise DimensionError(
                 f"token id {token_id} is outside the vocabulary of {self.vocab_size}"
             )
-        return self._pieces[token_id]
+        piece = self._pieces[token_id]
+        if piece is None:
+            piece = _piece_bytes(self._tokens[token_id], token_id in self._literal)
+            self._pieces[token_id] = piece
+        return piece
 
     def is_control(self, token_id: int) -> bool:
         """True for CONTROL tokens (`<|im_start|>`, BOS/EOS...), the ones `skip_special` drops."""
