@@ -150,19 +150,20 @@ class _Reader:
 MADV_POPULATE_READ = 22  # Linux >= 5.14: fault a range of the mapping in, reading it
 
 
-def _madvise():
-    """libc's madvise(addr, length, advice), or None where it cannot be had. (Python's
-    `mmap.madvise` holds the GIL while the kernel reads; a ctypes call releases it.)"""
+def _libc(name: str, argtypes: list):
+    """libc's function `name` (returning int, errno kept), or None where it cannot be had."""
     try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn
 
 
-_MADVISE = _madvise()
+# madvise(addr, length, advice): Python's `mmap.madvise` holds the GIL while the kernel reads;
+# a ctypes call releases it
+_MADVISE = _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 
 
 class _Puller:
@@ -226,19 +227,7 @@ class _Puller:
             t.join()
 
 
-def _mincore():
-    """libc's mincore(addr, length, vec), or None where it cannot be had."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.mincore
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MINCORE = _mincore()
+_MINCORE = _libc("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])  # addr, len, vec
 _VEC = (ctypes.c_ubyte * 1)()
 
 
