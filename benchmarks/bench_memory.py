@@ -63,14 +63,22 @@ class Turns:
     def __init__(self, fds: str | None = None):
         self.go, self.done = (int(x) for x in fds.split(",")) if fds else (None, None)
 
-    def __enter__(self):
+    def take(self) -> None:
+        """Wait for this worker's turn."""
         if self.go is not None and os.read(self.go, 1) != b".":
             raise SystemExit("bench_memory worker: the driver went away")
+
+    def give(self) -> None:
+        """Hand the turn back to the driver."""
+        if self.done is not None:
+            os.write(self.done, b".")
+
+    def __enter__(self):
+        self.take()
         return self
 
     def __exit__(self, *exc):
-        if self.done is not None:
-            os.write(self.done, b".")
+        self.give()
         return False
 
 
@@ -178,56 +186,60 @@ def measure(spec: dict, turns: Turns | None = None) -> dict:
     budget, decode_tokens, cold_phase, storage_dtype, regenerator."""
     turns = turns or Turns()
     with turns:  # set-up: imports, load, compile, the prompt
-        res = _measure_setup(spec)
-    if "skipped" in res:
+        res, state = _measure_setup(spec)
+    if state is None:  # skipped
         return res
-    model, ids, kv, tmp = res.pop("_state")
+    model, ids, kv, tmp = state
     try:
         return _measure_run(spec, turns, res, model, ids, kv, tmp.name)
     finally:
         tmp.cleanup()
 
 
-def _measure_setup(spec: dict) -> dict:
+def _limit(spec: dict) -> int:
+    """The session's context limit: the context and every decoded token."""
+    return spec["context"] + spec["decode_tokens"] * (2 if spec["cold_phase"] else 1)
+
+
+def _measure_setup(spec: dict) -> tuple[dict, tuple | None]:
+    """The budget's bytes, load RSS and the warm-up; (result, None) when the budget is
+    skipped, else (result, (model, ids, kv options, temporary folder))."""
     from cfr_atlas.engine import load_model
 
     model = load_model(spec["model"])
     ids = prompt_ids(model, spec["context"], spec["tiny"])
-    n = spec["decode_tokens"]
-    limit = spec["context"] + n * (2 if spec["cold_phase"] else 1)
     kv = {} if spec["storage_dtype"] is None else {"storage_dtype": spec["storage_dtype"]}
     tmp = tempfile.TemporaryDirectory()
     probe = open_session(model, cache_dir=tmp.name, context_limit=16, **kv)
     cfg = probe.atlas.config  # the session's storage dtype and page size, default or given
     probe.close()
-    res = budget_bytes(spec["budget"], model, limit, cfg.storage_dtype, cfg.dtype.itemsize,
+    res = budget_bytes(spec["budget"], model, _limit(spec), cfg.storage_dtype, cfg.dtype.itemsize,
                        cfg.page_tokens, spec["regenerator"])
     if res["budget_bytes"] is not None and res["budget_bytes"] < res["min_bytes"]:
         tmp.cleanup()
         return res | {"skipped": f"{res['budget_bytes']:,} bytes is below the smallest "
-                                 f"accepted budget {res['min_bytes']:,}"}
+                                 f"accepted budget {res['min_bytes']:,}"}, None
     if res["budget_bytes"] is not None:
         kv |= {"kv_budget": res["budget_bytes"], "regenerator": spec["regenerator"]}
     warm_up(model, ids, kv, tmp.name)
-    return res | {"storage_dtype": cfg.storage_dtype, "phases": {"load": rss()},
-                  "_state": (model, ids, kv, tmp)}
+    return res | {"storage_dtype": cfg.storage_dtype, "phases": {"load": rss()}}, \
+        (model, ids, kv, tmp)
 
 
 def _measure_run(spec, turns, res, model, ids, kv, tmp) -> dict:
     from cfr_atlas.generate import prefill
 
     n = spec["decode_tokens"]
-    limit = spec["context"] + n * (2 if spec["cold_phase"] else 1)
     chunks, t0 = [], [0.0]
 
     def next_chunk(_n):  # prefill's progress callback: a chunk is done, take the next turn
         chunks.append(time.perf_counter() - t0[0])
-        turns.__exit__(None, None, None)
-        turns.__enter__()
+        turns.give()
+        turns.take()
         t0[0] = time.perf_counter()
 
     with turns:
-        s = open_session(model, cache_dir=tmp, context_limit=limit, **kv)
+        s = open_session(model, cache_dir=tmp, context_limit=_limit(spec), **kv)
         t0[0] = time.perf_counter()
         logits = prefill(model.net, s, ids, progress=next_chunk)[0]
     res["prefill_tps"] = len(ids) / sum(chunks)

@@ -84,8 +84,9 @@ def clean_stale(folder: Path) -> int:
     return removed
 
 
-# A layer whose folds read at least this fraction of its written pages from the file is left
-# to the kernel (dense); below it, only the needed ranges are read (sparse). Measured at 4,096
+# A layer whose folds read at least this fraction of its written pages from the file is read
+# whole, in file order (dense: `_Puller`, or the kernel's read-around); below it, only the
+# needed ranges are asked for (sparse). Measured at 4,096
 # tokens with the page file evicted before each token, one process, interleaved: with every
 # page needed, the kernel's read-around took 231 ms a token against 327 ms with exact hints;
 # with about half the pages hot, 601 ms against 303 ms.
@@ -170,10 +171,11 @@ class _Puller:
     """Threads that read a dense layer's pages into memory before its fold needs them: one
     per slab (K, V), each walking its slab's ranges layer by layer in file order with
     madvise(MADV_POPULATE_READ), which faults the pages in as the fold would but without the
-    GIL, so the compute thread folds layer L while the layers after it are read. Measured at
-    4,096 tokens, page file evicted before each token, one process, interleaved: 181-196 ms
-    a token against 224-232 ms with the fold faulting alone (two runs). Raw, with no compute,
-    two such streams read 1.3-1.6x as fast as one sequential read of the file.
+    GIL, so the compute thread folds layer L while the layers after it are read. Measured
+    under a 10% budget, page file evicted before each token, one process, interleaved:
+    143-184 ms a token against 219-248 ms with the fold faulting alone at 4,096 tokens, 432
+    against 683 ms at 8,192 (docs/VIRTUAL_KV.md). Raw, with no compute, two such streams
+    read 1.3-1.6x as fast as one sequential read of the file.
 
     `pull` queues a layer; `wait` blocks until both streams are past it (or `WAIT_S`, after
     which the fold's own faults read what is left: a timing bound, never a result). Where the
@@ -523,12 +525,11 @@ class SpillKv:
         for step in range(READ_AHEAD_LAYERS + 1):
             ahead = (layer + step) % self.n_layers
             if not self._sparse[ahead]:
-                continue  # the kernel's read-around reads a dense layer faster than hints do
-            ranges = self._ranges(ahead)
-            if ranges and not _cached(self._base + ranges[0][0]):
+                continue  # dense layers are pulled (above), not hinted
+            if self._cold(ahead):
                 if self._reader is None:
                     self._reader = _Reader(self.fd, self.n_layers)
-                self._reader.submit(ahead, ranges)
+                self._reader.submit(ahead, self._ranges(ahead))
 
     def _pull(self, layer: int, cold) -> None:
         """Dense `layer`'s pages in memory before it is read or written: wait for its pull if
@@ -544,6 +545,7 @@ class SpillKv:
         self._puller.wait(layer)
 
     def _cold(self, layer: int) -> bool:
+        """Whether `layer`'s oldest needed page (its first range) is not in the page cache."""
         ranges = self._ranges(layer)
         return bool(ranges) and not _cached(self._base + ranges[0][0])
 
