@@ -2,14 +2,20 @@
 slot prefetcher off and on.
 
     PYTHONPATH=src python benchmarks/bench_moe.py [--layers 16 --experts 32 --dim 512
-        --ff 1408 --top-k 4 --qtype Q4_0 --skew 4] [--quick] [--json rows.json] [--plot moe.png]
+        --ff 1408 --top-k 4 --qtype Q4_0 --skew 1 --residual-scale 0.01] [--quick]
+        [--json rows.json] [--plot moe.png]
 
 Writes a qwen3moe GGUF of a realistic shape into a temporary folder (expert matrices drawn
-directly as random Q4_0/Q8_0 blocks; attention, router and embedding from tiny_moe). The
-router is skewed by `--skew` (tiny_moe: every embedding row shares one direction v and router
-rows lean towards or away from it, so tokens concentrate on some experts); the table prints the
-measured skew per layer (share of picks taken by the most-chosen quarter of experts; 0.25 is
-uniform). --skew 4 concentrates more than trained routers; about 1 gives ~0.5 (see the table).
+directly as random Q4_0/Q8_0 blocks; attention, router and embedding from tiny_moe). How the
+routing is made realistic (the table prints the measured skew per layer: the share of picks
+taken by the most-chosen quarter of the experts; 0.25 is uniform):
+  * `--skew` leans the routers (tiny_moe: every embedding row shares one direction v and router
+    rows lean towards or away from it, so low expert ids win more tokens);
+  * `--residual-scale` shrinks what each layer writes into the residual stream. In a plain
+    random model (1.0) the hidden states of all positions converge with depth (random attention
+    averages its values), so from the fourth layer on every token goes to the same few experts
+    (shares 0.95-1.00 whatever the skew). At 0.01 each token keeps its own hidden state and
+    `--skew 1` gives shares of ~0.4-0.6 over the 16 layers: concentrated, not collapsed.
 
 Per budget (100% = every expert resident, 50%, 25%, min = one layer's top-k), a prompt is
 prefilled and tokens decoded greedily; the decode's logits must equal the all-resident run's
@@ -56,7 +62,13 @@ def _args(argv):
     p.add_argument("--ff", type=int, default=1408)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--qtype", default="Q4_0", choices=["Q4_0", "Q8_0"])
-    p.add_argument("--skew", type=float, default=4.0)
+    p.add_argument("--skew", type=float, default=1.0,
+                   help="router lean towards low expert ids (tiny_moe; default 1)")
+    p.add_argument("--residual-scale", type=float, default=0.01,
+                   help="scale of the matrices writing into the residual stream (tiny_moe): "
+                        "small keeps each token's hidden state its own through the layers, so "
+                        "routing stays diverse with depth (default 0.01; 1 = the plain random "
+                        "model, whose deep layers send every token to the same experts)")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=8)
     p.add_argument("--budgets", default="100%,50%,25%,min")
@@ -79,7 +91,7 @@ def _write(a, folder: Path) -> Path:
                           n_layers=a.layers, dim=a.dim, n_heads=max(a.dim // 64, 2),
                           n_kv_heads=max(a.dim // 128, 1), head_dim=min(64, a.dim // 2), ff=a.ff,
                           n_experts=a.experts, n_used=a.top_k, skew=a.skew,
-                          random_expert_blocks=True)
+                          random_expert_blocks=True, residual_scale=a.residual_scale)
 
 
 def _drop_cache(model, path: Path) -> float | None:

@@ -17,7 +17,7 @@ import pytest
 from cfr_atlas.engine import load_model
 from cfr_atlas.errors import ConfigError
 from cfr_atlas.models.moe import route, softmax_rows
-from cfr_atlas.testing.tiny_moe import MOE_ARCHS
+from cfr_atlas.testing.tiny_moe import MOE_ARCHS, RESIDUAL_OUTPUTS, random_blocks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from moe_reference import moe_reference_logits  # noqa: E402
@@ -26,6 +26,7 @@ IDS = [5, 77, 300, 12, 40, 1000, 2000, 31, 9, 44, 4, 900]
 # llama.cpp, Q8_0 weights: it rounds activations to Q8_0 blocks, we multiply float32 activations
 # (measured max |diff| 0.12-0.23 over these 12 positions); F32 weights: only its f16 K/V differs
 LLAMACPP_TOL = {"Q8_0": 0.35, "F32": 0.02}
+BLOCK_Q4_0 = np.dtype([("d", "<f2"), ("qs", "u1", (16,))])  # GGUF's Q4_0 block
 
 
 @lru_cache(maxsize=8)
@@ -126,3 +127,47 @@ def test_kv_budget_regenerates_qk_normed_rows_exactly(moe_file, tmp_path, regen,
     got = model.logits(ids, kv_budget=budget, regenerator=regen, cache_dir=tmp_path, **kv)
     assert model.last_telemetry["pages_regenerated"] > 0
     assert np.array_equal(got, base)
+
+
+# --- the benchmark's test weights: routing that stays diverse with depth --------------------
+
+
+def test_residual_scale_scales_only_what_writes_into_the_residual_stream(moe_file):
+    """residual_scale multiplies the attention output and the expert and shared-expert down
+    projections (a power of two here, so exactly); every other tensor is the same draw."""
+    plain = {t.name: np.array(t.data) for t in _reader(moe_file("qwen2moe", "F32")).tensors}
+    small = {t.name: np.array(t.data)
+             for t in _reader(moe_file("qwen2moe", "F32", residual_scale=0.25)).tensors}
+    assert plain.keys() == small.keys()
+    scaled = [n for n in plain if n.endswith(RESIDUAL_OUTPUTS)]
+    assert len(scaled) == 3 * 2  # three per layer, two layers
+    for name in plain:
+        want = plain[name] * np.float32(0.25) if name in scaled else plain[name]
+        assert np.array_equal(small[name], want), name
+
+
+def test_random_blocks_scale_their_block_scales():
+    one = random_blocks(np.random.default_rng(3), (2, 4, 64), "Q4_0").view(BLOCK_Q4_0)
+    half = random_blocks(np.random.default_rng(3), (2, 4, 64), "Q4_0", 0.5).view(BLOCK_Q4_0)
+    assert np.array_equal(half["qs"], one["qs"])
+    assert np.array_equal(half["d"], (one["d"].astype(np.float32) / 2).astype(np.float16))
+
+
+def _top_quarter_share(path, ids) -> list[float]:
+    model = load_model(path)
+    model.logits(ids)
+    return [r["skew"] for r in model.experts.telemetry.routing_report()]
+
+
+def test_small_residual_scale_keeps_deep_routing_diverse(tmp_path):
+    """A deep random model sends every token to the same experts in its later layers (hidden
+    states converge with depth); with the residual writes scaled down they stay diverse."""
+    from cfr_atlas.testing.tiny_moe import write_tiny_moe
+
+    ids = list(np.random.default_rng(1).integers(0, 40000, 160))
+    kw = dict(arch="qwen3moe", n_layers=8, dim=128, n_experts=16, n_used=2, skew=1.0)
+    plain = _top_quarter_share(write_tiny_moe(tmp_path / "a.gguf", **kw), ids)
+    small = _top_quarter_share(write_tiny_moe(tmp_path / "b.gguf", residual_scale=0.01, **kw),
+                               ids)
+    print(f"\ntop-quarter share per layer, plain {plain}, residual_scale 0.01 {small}")
+    assert min(plain[-3:]) > max(small) + 0.2  # measured 0.76 against 0.40

@@ -74,9 +74,13 @@ def _experts(rng, mat, arch, p, dim, n_experts, ff, shared_ff, skew, v, blocks):
     return out
 
 
+RESIDUAL_OUTPUTS = ("attn_output.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+
+
 def _tensors(rng, *, arch, n_layers, dim, n_heads, n_kv_heads, head_dim, ff, shared_ff,
-             n_experts, vocab, skew, blocks=False):
-    """[(name, is_matrix, float32 array)] in file order."""
+             n_experts, vocab, skew, blocks=False, residual_scale=1.0):
+    """[(name, is_matrix, float32 array)] in file order; the matrices that write into the
+    residual stream (RESIDUAL_OUTPUTS) scaled by `residual_scale` (block tensors: at draw)."""
     def mat(n_out, n_in):
         return rng.standard_normal((n_out, n_in)) / math.sqrt(n_in)
 
@@ -95,6 +99,9 @@ def _tensors(rng, *, arch, n_layers, dim, n_heads, n_kv_heads, head_dim, ff, sha
         out += _experts(rng, mat, arch, p, dim, n_experts, ff, shared_ff, skew, v, blocks)
     out.append(("output_norm.weight", False, norm(dim)))
     out.append(("output.weight", True, 2.0 * mat(vocab, dim)))  # untied: qwen2moe needs one
+    if residual_scale != 1.0:
+        out = [(n, m, a * residual_scale if m is not BLOCKS and n.endswith(RESIDUAL_OUTPUTS)
+                else a) for n, m, a in out]
     return [(n, m, a if m is BLOCKS else a.astype(np.float32)) for n, m, a in out]
 
 
@@ -104,15 +111,15 @@ _BLOCK_DRAW = {"Q4_0": (np.dtype([("d", "<f2"), ("qs", "u1", (16,))]), 4.6),
                "Q8_0": (np.dtype([("d", "<f2"), ("qs", "i1", (32,))]), 73.0)}
 
 
-def random_blocks(rng, shape: tuple, qtype: str) -> np.ndarray:
-    """(n, rows, cols) weights as random Q4_0/Q8_0 blocks, scaled so w ~ 1/sqrt(cols) in
+def random_blocks(rng, shape: tuple, qtype: str, scale: float = 1.0) -> np.ndarray:
+    """(n, rows, cols) weights as random Q4_0/Q8_0 blocks, scaled so w ~ scale / sqrt(cols) in
     spread: (n, rows, row_bytes) uint8, without drawing or quantizing any float matrix."""
     if qtype not in _BLOCK_DRAW:
         raise ConfigError("qtype", f"random blocks exist for {sorted(_BLOCK_DRAW)}, not {qtype}")
     dtype, q_std = _BLOCK_DRAW[qtype]
     n, rows, cols = shape
     b = np.empty((n, rows, cols // 32), dtype=dtype)
-    b["d"] = 1.0 / (q_std * math.sqrt(cols))
+    b["d"] = scale / (q_std * math.sqrt(cols))
     lo, hi = (0, 256) if qtype == "Q4_0" else (-127, 128)
     b["qs"] = rng.integers(lo, hi, size=b["qs"].shape, dtype=np.int16).astype(b["qs"].dtype)
     return b.view(np.uint8).reshape(n, rows, -1)
@@ -171,12 +178,19 @@ def write_tiny_moe(path, *, arch: str = "qwen3moe", qtype: str = "Q8_0", n_layer
                    dim: int = 64, n_heads: int = 4, n_kv_heads: int = 2, head_dim: int = 16,
                    ff: int = 64, shared_ff: int = 96, n_experts: int = 8, n_used: int = 2,
                    context_length: int = 4096, skew: float = 0.0, seed: int = 0,
-                   tokenizer_from=None, random_expert_blocks: bool = False) -> Path:
+                   tokenizer_from=None, random_expert_blocks: bool = False,
+                   residual_scale: float = 1.0) -> Path:
     """Write a tiny MoE GGUF to `path` (temp file, then os.replace) and return the path.
     Matrices in `qtype` (expert matrices included), routers, norms and biases F32; the
     tokenizer is copied from `tokenizer_from` (default: the bundled SmolLM2 model).
     random_expert_blocks: expert tensors drawn directly as random Q4_0/Q8_0 blocks (fast for
-    benchmark-sized files; the float64 reference still reads them like any other)."""
+    benchmark-sized files; the float64 reference still reads them like any other).
+    residual_scale: multiplies the matrices that write into the residual stream (attention
+    output, expert and shared-expert down projections). Below 1 each token's hidden state stays
+    near its own embedding through the layers instead of converging, with depth, to what every
+    position shares (random attention averages its values), so a deep file's routers see
+    diverse inputs and route like trained ones rather than sending every token to the same few
+    experts (bench_moe.py's routing table)."""
     if arch not in MOE_ARCHS or not 1 <= n_used <= n_experts or n_heads % n_kv_heads:
         raise ConfigError("arch", f"need arch in {MOE_ARCHS}, 1 <= n_used <= n_experts and "
                           f"n_heads % n_kv_heads == 0; got {arch!r}, {n_used} of {n_experts}, "
@@ -189,7 +203,7 @@ def write_tiny_moe(path, *, arch: str = "qwen3moe", qtype: str = "Q8_0", n_layer
     tensors = _tensors(rng, arch=arch, n_layers=n_layers, dim=dim, n_heads=n_heads,
                        n_kv_heads=n_kv_heads, head_dim=head_dim, ff=ff, shared_ff=shared_ff,
                        n_experts=n_experts, vocab=vocab, skew=skew,
-                       blocks=random_expert_blocks)
+                       blocks=random_expert_blocks, residual_scale=residual_scale)
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     w = GGUFWriter(tmp, arch)
@@ -200,6 +214,8 @@ def write_tiny_moe(path, *, arch: str = "qwen3moe", qtype: str = "Q8_0", n_layer
     _tokenizer(w, src)
     for name, is_matrix, array in tensors:
         t = GGMLQuantizationType[qtype if is_matrix else "F32"]
-        data = random_blocks(rng, array, qtype) if is_matrix is BLOCKS else quantize(array, t)
+        scale = residual_scale if name.endswith(RESIDUAL_OUTPUTS) else 1.0
+        data = (random_blocks(rng, array, qtype, scale) if is_matrix is BLOCKS
+                else quantize(array, t))
         w.add_tensor(name, data, raw_dtype=t)
     return finish(w, tmp, path)
