@@ -72,7 +72,10 @@ def _args(argv):
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=8)
     p.add_argument("--budgets", default="100%,50%,25%,min")
-    p.add_argument("--policy", default="lru", choices=["lru", "frequency"])
+    p.add_argument("--policy", default="lru", choices=["lru", "frequency", "pinned"],
+                   help="eviction policy; pinned: the most-routed experts of a profile measured "
+                        "on other text (--profile-tokens of the validation text, all resident)")
+    p.add_argument("--profile-tokens", type=int, default=256)
     p.add_argument("--load-path", action="store_true",
                    help="only the expert-load table (codec vs one-pass repack, cold and warm)")
     p.add_argument("--quick", action="store_true", help="a tiny model, a few tokens (tests)")
@@ -157,8 +160,21 @@ def _budget(spec: str, model) -> tuple[str, object]:
     return spec, (None if spec == "100%" else spec)
 
 
-def _row(model, path, ids, a, name, budget, cache: str, prefetch: bool, base: bytes) -> dict:
-    store = model.net.set_experts(budget, a.policy)
+def _profile(model, n_tokens: int) -> dict:
+    """{(layer, expert): times chosen} over the first n_tokens of the validation text (CPython
+    prose, not the benchmark's prompt), every expert resident: the routing profile a user would
+    record on their own text before pinning."""
+    from cfr_atlas.validate import validation_text
+
+    model.net.set_experts(None)
+    model.logits(model.tokenize(validation_text())[:n_tokens])
+    counts = model.net.experts.telemetry.routing
+    return {(layer, e): int(n) for (layer, e), n in np.ndenumerate(counts) if n}
+
+
+def _row(model, path, ids, a, name, budget, cache: str, prefetch: bool, base: bytes,
+         profile: dict | None) -> dict:
+    store = model.net.set_experts(budget, a.policy, profile)
     store.use_prefetch(prefetch)
     timer = _LoadTimer(store)
     resident = None
@@ -286,12 +302,14 @@ def main(argv=None) -> int:
             return 0
         base = _run(model, ids, a.decode_tokens)["digest"]
         skew = [r["skew"] for r in model.experts.telemetry.routing_report()]
+        profile = _profile(model, a.profile_tokens) if a.policy == "pinned" else None
         rows = []
         for spec in a.budgets.split(","):
             name, budget = _budget(spec, model)
             for cache in ("warm", "cold"):
                 for prefetch in (False, True):  # interleaved A/B, back to back
-                    rows.append(_row(model, path, ids, a, name, budget, cache, prefetch, base))
+                    rows.append(_row(model, path, ids, a, name, budget, cache, prefetch, base,
+                                     profile))
         loads = _load_path(model, path, a)
         del model
         last = {**sequential_read(path), "loadavg": os.getloadavg()[0]}
