@@ -207,7 +207,7 @@ def _weight(gf: GGUFFile, name: str, matmul: str) -> QuantWeight:
     t = gf.tensor(name)
     n_rows, n_cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims innermost first
     return QuantWeight.from_gguf(name, t.tensor_type, t.data, (n_rows, n_cols),
-                                 arithmetic=matmul)
+                                 arithmetic=matmul, repack=_repack(gf))
 
 
 def _fused(gf: GGUFFile, names: list[str], matmul: str) -> QuantWeight | list[QuantWeight]:
@@ -219,7 +219,13 @@ def _fused(gf: GGUFFile, names: list[str], matmul: str) -> QuantWeight | list[Qu
     raw = np.concatenate([np.asarray(t.data).reshape(int(t.shape[1]), -1) for t in ts])
     rows = sum(int(t.shape[1]) for t in ts)
     return QuantWeight.from_gguf("+".join(names), ts[0].tensor_type, raw,
-                                 (rows, int(ts[0].shape[0])), arithmetic=matmul)
+                                 (rows, int(ts[0].shape[0])), arithmetic=matmul,
+                                 repack=_repack(gf))
+
+
+def _repack(gf: GGUFFile):
+    """Where the file's repacked tiles come from: its tile cache, or None (repack each)."""
+    return None if gf.tile_cache is None else gf.tile_cache.repack
 
 
 class _Layer:
