@@ -15,14 +15,12 @@ from collections.abc import Iterator
 import numpy as np
 
 from cfr_atlas.generate import DEFAULT_CHUNK, Generation, check_ids, prefill
+from cfr_atlas.models import tile_cache as tile_files
 from cfr_atlas.models.expert_memory import expert_options
 from cfr_atlas.models.families import load_net
 from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
 from cfr_atlas.models.prefix import DEFAULT_DISK_BYTES, PrefixTier, default_prefix_dir
 from cfr_atlas.models.session import Session, parse_bytes
-from cfr_atlas.models.tile_cache import DEFAULT_MAX_BYTES as DEFAULT_TILE_BYTES
-from cfr_atlas.models.tile_cache import TileCache
-from cfr_atlas.models.tile_cache import default_dir as default_tile_dir
 from cfr_atlas.ops import rms_norm
 from cfr_atlas.sampling import SamplingParams
 from cfr_atlas.text import ChatTemplate, Tokenizer
@@ -89,15 +87,16 @@ def _touch_kernels() -> None:
         pass
 
 
-def _tile_cache(gf: GGUFFile, matmul: str, tile_cache) -> TileCache | None:
+def _tile_cache(gf: GGUFFile, matmul: str, tile_cache) -> tile_files.TileCache | None:
     """The TileCache `load_model`'s tile_cache option asks for (None when False, or when the
     cache cannot be set up: that only costs the repack)."""
     if tile_cache is False:
         return None
-    folder = default_tile_dir() if tile_cache is None or tile_cache is True else tile_cache
+    default = tile_cache is None or tile_cache is True
+    folder = tile_files.default_dir() if default else tile_cache
     try:
-        return TileCache(folder, gf.identity(), matmul,
-                         max_bytes=DEFAULT_TILE_BYTES if tile_cache is None else None)
+        return tile_files.TileCache(folder, gf.identity(), matmul, max_bytes=(
+            tile_files.DEFAULT_MAX_BYTES if tile_cache is None else None))
     except OSError:
         return None
 

@@ -132,3 +132,16 @@ def test_folder_keeps_the_newest_files(tiny_gguf, tmp_path, monkeypatch):
     names = {f.name for f in tmp_path.glob("*.tiles")}
     assert len(names) == 2
     assert f"{GGUFFile(paths[0]).identity()[:32]}-float.tiles" not in names
+
+
+def test_default_folder_and_size_cap(mixed, tmp_path, monkeypatch):
+    monkeypatch.setattr(tile_cache, "default_dir", lambda: tmp_path / "default")
+    monkeypatch.setattr(tile_cache, "DEFAULT_MAX_BYTES", 1)
+    load_model(mixed)  # the default: this model's tiles are over the (patched) cap
+    assert not (tmp_path / "default").exists()
+    load_model(mixed, tile_cache=True)  # the default folder, any size
+    assert len(list((tmp_path / "default").glob("*.tiles"))) == 1
+    monkeypatch.setattr(tile_cache, "DEFAULT_MAX_BYTES", 2 << 30)
+    model = load_model(mixed)  # under the cap: the default maps the file
+    assert all(_file_backed(a) for a in model.net.weights.embed.tiles
+               if isinstance(a, np.ndarray) and a.size)
