@@ -124,14 +124,19 @@ def test_size_cap_and_disabled_write_nothing(mixed, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_folder_keeps_the_newest_files(tiny_gguf, tmp_path, monkeypatch):
-    monkeypatch.setattr(tile_cache, "KEEP_FILES", 2)
+def test_folder_keeps_the_newest_files_within_its_budget(tiny_gguf, tmp_path, monkeypatch):
     paths = [tiny_gguf(seed=s, n_layers=1) for s in (11, 12, 13)]
-    for p in paths:
+    load_model(paths[0], tile_cache=tmp_path)
+    (first,) = tmp_path.glob("*.tiles")
+    monkeypatch.setattr(tile_cache, "KEEP_BYTES", 2 * first.stat().st_size)  # two such files
+    for p in paths[1:]:
         load_model(p, tile_cache=tmp_path)
     names = {f.name for f in tmp_path.glob("*.tiles")}
-    assert len(names) == 2
-    assert f"{GGUFFile(paths[0]).identity()[:32]}-float.tiles" not in names
+    assert len(names) == 2 and first.name not in names  # the least recently used went
+    load_model(paths[1], tile_cache=tmp_path)  # maps it: now the most recently used
+    load_model(paths[0], tile_cache=tmp_path)  # written again: paths[2]'s file goes
+    assert {f.name for f in tmp_path.glob("*.tiles")} == {
+        f"{GGUFFile(p).identity()[:32]}-float.tiles" for p in paths[:2]}
 
 
 def test_default_folder_and_size_cap(mixed, tmp_path, monkeypatch):

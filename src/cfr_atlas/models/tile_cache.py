@@ -28,7 +28,8 @@ version); another key is a miss and the file is rewritten. Never damaged: magic,
 header's SHA-256 and the sizes are checked at open (a damaged or truncated file is a miss, with
 a warning), and the data's SHA-256 on a thread (hashlib releases the GIL) while the loader and
 the tokenizer run; `verify()` joins it, and the caller repacks when it fails. Files are
-written to a temp name, then `os.replace`d; the folder keeps the KEEP_FILES most recently used.
+written to a temp name, then `os.replace`d; the folder keeps the most recently used files
+within KEEP_BYTES (a file is used when a load maps it).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ _HEAD = struct.Struct("<8sII32s32s")  # 80 bytes
 PAGE, ALIGN = 4096, 64
 MAX_HEADER_BYTES = 64 << 20
 DEFAULT_MAX_BYTES = 2 << 30  # the default folder caches models whose tiles are at most this
-KEEP_FILES = 4
+KEEP_BYTES = 4 << 30  # the folder's budget; least recently used files beyond it are deleted
 TILE_MODULES = "cfr_atlas.quant."  # tiles' types are named in the header; only these load
 
 log = logging.getLogger(__name__)
@@ -258,11 +259,15 @@ def _data_start(header_bytes: int) -> int:
 
 
 def _evict(folder: Path, keep: Path) -> None:
-    """Delete all but the KEEP_FILES most recently used tile files of `folder`."""
+    """Delete the least recently used tile files of `folder` while they take more than
+    KEEP_BYTES together (never `keep`, the file just written)."""
     try:
-        files = sorted(folder.glob("*.tiles"), key=lambda p: p.stat().st_mtime, reverse=True)
-        for p in files[KEEP_FILES:]:
-            if p != keep:
+        stats = [(p, p.stat()) for p in folder.glob("*.tiles")]
+        stats.sort(key=lambda ps: ps[1].st_mtime, reverse=True)
+        total = 0
+        for p, st in stats:
+            total += st.st_size
+            if total > KEEP_BYTES and p != keep:
                 p.unlink(missing_ok=True)
-    except OSError:
+    except OSError:  # a file another process just replaced or deleted: next time
         pass
