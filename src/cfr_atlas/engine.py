@@ -87,16 +87,17 @@ def _touch_kernels() -> None:
         pass
 
 
-def _tile_cache(gf: GGUFFile, matmul: str, tile_cache) -> tile_files.TileCache | None:
+def _tile_cache(gf: GGUFFile, matmul: str, tile_cache,
+                read: bool = True) -> tile_files.TileCache | None:
     """The TileCache `load_model`'s tile_cache option asks for (None when False, or when the
-    cache cannot be set up: that only costs the repack)."""
+    cache cannot be set up: that only costs the repack); read=False: repack and rewrite."""
     if tile_cache is False:
         return None
     default = tile_cache is None or tile_cache is True
     folder = tile_files.default_dir() if default else tile_cache
     try:
         return tile_files.TileCache(folder, gf.identity(), matmul, max_bytes=(
-            tile_files.DEFAULT_MAX_BYTES if tile_cache is None else None))
+            tile_files.DEFAULT_MAX_BYTES if tile_cache is None else None), read=read)
     except OSError:
         return None
 
@@ -124,7 +125,7 @@ class Model:
         self.tokenizer = Tokenizer.from_gguf(gf.reader)  # while the tile cache's sum is checked
         self.chat_template = ChatTemplate.from_gguf(gf.reader, self.tokenizer)
         if gf.tile_cache is not None and not gf.tile_cache.verify():  # damaged: repack
-            gf.tile_cache = _tile_cache(gf, matmul, tile_cache)
+            gf.tile_cache = _tile_cache(gf, matmul, tile_cache, read=False)
             self.net = load_net(gf, matmul=matmul, **experts)
         if gf.tile_cache is not None:
             gf.tile_cache.save()  # a first load: the tiles it repacked, for the next one

@@ -76,10 +76,11 @@ def code_version() -> str:
 
 class TileCache:
     """One model's tile file: `repack` serves a weight's tiles from it, or repacks and records
-    them; `verify` joins the checksum of a mapped file; `save` writes the recorded tiles."""
+    them; `verify` joins the checksum of a mapped file; `save` writes the recorded tiles.
+    read=False never maps the file (the rebuild after a failed checksum)."""
 
     def __init__(self, folder: str | os.PathLike, identity: str, arithmetic: str, *,
-                 max_bytes: int | None = None):
+                 max_bytes: int | None = None, read: bool = True):
         self.key = {"model": identity, "arithmetic": arithmetic, "code": code_version()}
         self.path = Path(folder) / f"{identity[:32]}-{arithmetic}.tiles"
         self.max_bytes = max_bytes
@@ -90,7 +91,8 @@ class TileCache:
         self._data = 0
         self._sum_ok: list[bool] = []
         self._checker: threading.Thread | None = None
-        self._open()
+        if read:
+            self._open()
 
     # --- reading ---------------------------------------------------------------------------
     def _open(self) -> None:
@@ -138,7 +140,7 @@ class TileCache:
 
     def verify(self) -> bool:
         """True unless a mapped file failed its checksum (then its tiles must not be used:
-        reload with a fresh TileCache, which repacks and rewrites the file)."""
+        reload with TileCache(read=False), which repacks and rewrites the file)."""
         if self._checker is None:
             return True
         self._checker.join()
@@ -146,7 +148,6 @@ class TileCache:
             return True
         log.warning("cfr-atlas: tile cache %s failed its checksum; repacking the weights",
                     self.path)
-        self.path.unlink(missing_ok=True)
         return False
 
     # --- writing ---------------------------------------------------------------------------
