@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from cfr_atlas.generate import DEFAULT_CHUNK, Generation, check_ids, prefill
+from cfr_atlas.models import tile_cache as tile_files
 from cfr_atlas.models.expert_memory import expert_options
 from cfr_atlas.models.families import load_net
 from cfr_atlas.models.gguf_io import GGUFFile, bundled_model_path
@@ -30,7 +31,8 @@ def load_model(path: str | os.PathLike | None = None, *,
                prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES,
                prefix_store: str | None = None, prefix_store_ttl: int | None = None,
                matmul: str = "float", expert_budget: int | str | None = None,
-               expert_policy: str = "lru", routing_profile: dict | None = None) -> Model:
+               expert_policy: str = "lru", routing_profile: dict | None = None,
+               tile_cache: str | os.PathLike | bool | None = None) -> Model:
     """Load a GGUF model (default: the bundled SmolLM2-135M-Instruct Q4_1).
 
     matmul: "float" (float32 activations times the dequantized weights) or "int8" (activations
@@ -53,13 +55,18 @@ def load_model(path: str | os.PathLike | None = None, *,
     share of all experts such as "50%"); None keeps every expert resident. Any budget gives
     bitwise the same logits (docs/MOE.md). expert_policy: "lru", "frequency" or "pinned"
     (pins the experts most chosen in `routing_profile`, {(layer, expert): count}).
+
+    tile_cache: where the repacked weight tiles are kept for the next load, which maps them
+    instead of repacking (models/tile_cache.py; bitwise the same tiles, checksummed). None
+    (default): the per-user folder (~/.cache/cfr-atlas/tiles), for models whose tiles take at
+    most 2 GiB; True: that folder, any size; a folder: there, any size; False: no cache.
     """
     _start_kernel_runtime()
     return Model(GGUFFile(path if path is not None else bundled_model_path()),
                  prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes,
                  prefix_store=prefix_store, prefix_store_ttl=prefix_store_ttl, matmul=matmul,
                  expert_budget=expert_budget, expert_policy=expert_policy,
-                 routing_profile=routing_profile)
+                 routing_profile=routing_profile, tile_cache=tile_cache)
 
 
 def _start_kernel_runtime() -> None:
@@ -80,6 +87,21 @@ def _touch_kernels() -> None:
         pass
 
 
+def _tile_cache(gf: GGUFFile, matmul: str, tile_cache,
+                read: bool = True) -> tile_files.TileCache | None:
+    """The TileCache `load_model`'s tile_cache option asks for (None when False, or when the
+    cache cannot be set up: that only costs the repack); read=False: repack and rewrite."""
+    if tile_cache is False:
+        return None
+    default = tile_cache is None or tile_cache is True
+    folder = tile_files.default_dir() if default else tile_cache
+    try:
+        return tile_files.TileCache(folder, gf.identity(), matmul, max_bytes=(
+            tile_files.DEFAULT_MAX_BYTES if tile_cache is None else None), read=read)
+    except OSError:
+        return None
+
+
 def _identity(file_identity: str, matmul: str) -> str:
     """What cached K/V is keyed by: the file's content hash, and the matmul arithmetic when it
     is not float (int8 K/V differ from float K/V, so the two never share prefix blocks)."""
@@ -95,15 +117,22 @@ class Model:
                  prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES, prefix_store=None,
                  prefix_store_ttl: int | None = None, matmul: str = "float",
                  expert_budget: int | str | None = None, expert_policy: str = "lru",
-                 routing_profile: dict | None = None):
+                 routing_profile: dict | None = None, tile_cache=None):
         self.path = gf.path
         experts = expert_options(gf, expert_budget, expert_policy, routing_profile)
+        gf.tile_cache = _tile_cache(gf, matmul, tile_cache)
         self.net = load_net(gf, matmul=matmul, **experts)  # the family's class, by architecture
+        self.tokenizer = Tokenizer.from_gguf(gf.reader)  # while the tile cache's sum is checked
+        self.chat_template = ChatTemplate.from_gguf(gf.reader, self.tokenizer)
+        if gf.tile_cache is not None and not gf.tile_cache.verify():  # damaged: repack
+            gf.tile_cache = _tile_cache(gf, matmul, tile_cache, read=False)
+            self.net = load_net(gf, matmul=matmul, **experts)
+        if gf.tile_cache is not None:
+            gf.tile_cache.save()  # a first load: the tiles it repacked, for the next one
+        gf.tile_cache = None
         self.identity = _identity(gf.identity(), matmul)
         self.net.identity = self.identity
         self.config = self.net.config
-        self.tokenizer = Tokenizer.from_gguf(gf.reader)
-        self.chat_template = ChatTemplate.from_gguf(gf.reader, self.tokenizer)
         folder = default_prefix_dir() if prefix_cache is True else prefix_cache
         disk_bytes = parse_bytes(prefix_cache_bytes, "prefix_cache_bytes")
         self.prefix = None

@@ -210,6 +210,8 @@ class GGUFFile:
             raise ModelFormatError(f"{self.path} is truncated or corrupt ({type(e).__name__}: "
                                    f"{e}); download or convert it again") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
+        # where the loaders' repacked tiles come from (models/tile_cache.py); None: repacked
+        self.tile_cache = None
         if _version(self.path.stat()) != _version(self._stat):
             raise ModelFormatError(f"{self.path} changed while it was being opened; "
                                    "load it again once it is complete")

@@ -207,7 +207,7 @@ def _weight(gf: GGUFFile, name: str, matmul: str) -> QuantWeight:
     t = gf.tensor(name)
     n_rows, n_cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims innermost first
     return QuantWeight.from_gguf(name, t.tensor_type, t.data, (n_rows, n_cols),
-                                 arithmetic=matmul)
+                                 arithmetic=matmul, repack=_repack(gf))
 
 
 def _fused(gf: GGUFFile, names: list[str], matmul: str) -> QuantWeight | list[QuantWeight]:
@@ -219,7 +219,13 @@ def _fused(gf: GGUFFile, names: list[str], matmul: str) -> QuantWeight | list[Qu
     raw = np.concatenate([np.asarray(t.data).reshape(int(t.shape[1]), -1) for t in ts])
     rows = sum(int(t.shape[1]) for t in ts)
     return QuantWeight.from_gguf("+".join(names), ts[0].tensor_type, raw,
-                                 (rows, int(ts[0].shape[0])), arithmetic=matmul)
+                                 (rows, int(ts[0].shape[0])), arithmetic=matmul,
+                                 repack=_repack(gf))
+
+
+def _repack(gf: GGUFFile):
+    """Where the file's repacked tiles come from: its tile cache, or None (repack each)."""
+    return None if gf.tile_cache is None else gf.tile_cache.repack
 
 
 class _Layer:
@@ -321,8 +327,10 @@ class LlamaModel:
         self.rope_freqs = rope_freqs(c.rope_dims, theta=c.rope_theta,
                                      freq_scale=c.rope_freq_scale,
                                      freq_factors=rope_freq_factors(gf, c))
-        # per-head K/V projections for exact recomputation (a copy of the K/V rows only)
-        self.kv_weights = [kv_head_weights(gf, c, i, matmul) for i in range(c.n_layers)]
+        # per-head K/V projections for exact recomputation (a copy of the K/V rows only),
+        # repacked when a recompute first asks for a layer's: a generation without the
+        # recompute regenerator never pays for them (~6% of the bundled model's repack)
+        self._kv_weights: list[list | None] = [None] * c.n_layers
 
     def set_experts(self, budget=None, policy: str = "lru", profile: dict | None = None):
         """Replace the expert store (a new budget or policy) without reloading the model; the
@@ -382,6 +390,13 @@ class LlamaModel:
         k = rotate(np.ascontiguousarray(k), cos, sin, mode=c.rope_mode)
         return q, k, v
 
+    def kv_weights(self, layer: int) -> list:
+        """Per K/V head of `layer`: (weight over its K and V rows, bias), see kv_head_weights;
+        repacked on the first call (two racing threads would repack the same bits twice)."""
+        if self._kv_weights[layer] is None:
+            self._kv_weights[layer] = kv_head_weights(self._gf, self.config, layer, self.matmul)
+        return self._kv_weights[layer]
+
     def head_kv(self, layer: int, head: int, x: np.ndarray, positions: np.ndarray):
         """K, V rows (n, hd) of one K/V head from layer inputs x (n, dim), as `qkv` computes
         them: RMSNorm, that head's K/V weight rows (+ bias), RoPE (a recompute replay)."""
@@ -390,7 +405,7 @@ class LlamaModel:
             _, k, v = self.qkv(layer, x, self.rope(positions))
             return k[:, head], np.ascontiguousarray(v[:, head])
         h = rms_norm(x, self.weights.layers[layer].attn_norm, c.norm_eps)
-        w, b = self.kv_weights[layer][head]
+        w, b = self.kv_weights(layer)[head]
         kv = _matmul(w, h)
         if b is not None:
             kv += b

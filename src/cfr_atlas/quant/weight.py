@@ -57,10 +57,12 @@ class QuantWeight:
 
     @classmethod
     def from_raw(cls, name: str, qtype, raw: np.ndarray, shape: tuple[int, int], *,
-                 arithmetic: str = "float") -> QuantWeight:
+                 arithmetic: str = "float", repack=None) -> QuantWeight:
         """Repack raw GGUF data: (N, row_bytes) uint8 for block formats, (N, K) float32/float16
         for F32/F16 (uint8 also accepted). qtype is a QType or a gguf.GGMLQuantizationType;
-        arithmetic "float" or "int8" (ARITHMETIC) picks the codec and so the tile layout."""
+        arithmetic "float" or "int8" (ARITHMETIC) picks the codec and so the tile layout.
+        repack: (name, codec, rows) -> tiles, standing in for codec.repack(rows) (a tile
+        cache, models/tile_cache.py, whose tiles are bitwise the repacked ones)."""
         table = ARITHMETIC[check_arithmetic(arithmetic)]
         qtype = qtype_from_gguf(qtype, name)
         try:
@@ -85,7 +87,8 @@ class QuantWeight:
                 f"{need}"
             )
         rows = np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1)
-        return cls(name, qtype, (n, k), codec.repack(rows), codec)
+        tiles = codec.repack(rows) if repack is None else repack(name, codec, rows)
+        return cls(name, qtype, (n, k), tiles, codec)
 
     from_gguf = from_raw  # the name loaders use: (name, tensor.tensor_type, tensor.data, (N, K))
 
