@@ -55,6 +55,16 @@ def find_bundled_model() -> Path | None:
     return None
 
 
+@pytest.fixture(scope="session", autouse=True)
+def tile_folder(tmp_path_factory) -> Path:
+    """Weight-tile caches (models/tile_cache.py) of every load in this session, in-process and
+    in the CLI and server subprocesses (they inherit the variable), go to a temporary folder:
+    the suite never writes to the user's cache."""
+    folder = tmp_path_factory.mktemp("tiles")
+    os.environ["CFR_ATLAS_TILES"] = str(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def bundled_model_path() -> Path:
     path = find_bundled_model()

@@ -150,3 +150,10 @@ def test_default_folder_and_size_cap(mixed, tmp_path, monkeypatch):
     model = load_model(mixed)  # under the cap: the default maps the file
     assert all(_file_backed(a) for a in model.net.weights.embed.tiles
                if isinstance(a, np.ndarray) and a.size)
+
+
+def test_the_default_folder_follows_cfr_atlas_tiles(tmp_path, monkeypatch):
+    monkeypatch.setenv("CFR_ATLAS_TILES", str(tmp_path / "elsewhere"))
+    assert tile_cache.default_dir() == tmp_path / "elsewhere"
+    monkeypatch.delenv("CFR_ATLAS_TILES")
+    assert tile_cache.default_dir().parts[-2:] == ("cfr-atlas", "tiles")

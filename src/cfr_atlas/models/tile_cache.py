@@ -59,7 +59,11 @@ log = logging.getLogger(__name__)
 
 
 def default_dir() -> Path:
-    """The per-user folder (~/.cache/cfr-atlas/tiles on Linux); tests monkeypatch it."""
+    """$CFR_ATLAS_TILES if set (the test suite points it at a temporary folder), else the
+    per-user folder (~/.cache/cfr-atlas/tiles on Linux)."""
+    folder = os.environ.get("CFR_ATLAS_TILES")
+    if folder:
+        return Path(folder).expanduser()
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("cfr-atlas")) / "tiles"
