@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -56,13 +58,15 @@ def find_bundled_model() -> Path | None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def tile_folder(tmp_path_factory) -> Path:
+def tile_folder(tmp_path_factory) -> Iterator[Path]:
     """Weight-tile caches (models/tile_cache.py) of every load in this session, in-process and
     in the CLI and server subprocesses (they inherit the variable), go to a temporary folder:
-    the suite never writes to the user's cache."""
+    the suite never writes to the user's cache. Deleted at the end of the session: a real
+    model's tiles take hundreds of MB, and pytest keeps its last three temporary folders."""
     folder = tmp_path_factory.mktemp("tiles")
     os.environ["CFR_ATLAS_TILES"] = str(folder)
-    return folder
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
