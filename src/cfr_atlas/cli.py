@@ -69,7 +69,8 @@ def _matmul_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matmul", default="float", choices=["float", "int8"],
                    help="weight products: float32 activations (default) or int8-quantized "
                         "activations with integer dot products, as llama.cpp; int8 covers "
-                        "Q8_0, Q4_0 and Q4_1 layers, other formats (K-quants, Q5) stay float")
+                        "Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K and Q5_K layers; Q6_K, "
+                        "Q2_K, Q3_K and the output head stay float")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -36,9 +36,9 @@ def load_model(path: str | os.PathLike | None = None, *,
     """Load a GGUF model (default: the bundled SmolLM2-135M-Instruct Q4_1).
 
     matmul: "float" (float32 activations times the dequantized weights) or "int8" (activations
-    quantized to int8 per 32-element block, integer block dots, as llama.cpp; Q4_0, Q4_1 and
-    Q8_0 layer weights; other formats and the output head stay float). Both are batch
-    invariant bit for bit.
+    quantized to int8 per 32-element block, integer block dots, as llama.cpp; Q4_0, Q4_1,
+    Q8_0, Q5_0, Q5_1, IQ4_NL, Q4_K and Q5_K layer weights; Q6_K, Q2_K, Q3_K and the output head
+    stay float). Both are batch invariant bit for bit.
 
     prefix_cache: a folder for the persistent prefix cache (True: the per-user default,
     ~/.cache/cfr-atlas/prefix); prompts that start with cached whole blocks skip recomputing

@@ -15,15 +15,26 @@ from dataclasses import dataclass
 import numpy as np
 
 from cfr_atlas.errors import ConfigError, DimensionError
-from cfr_atlas.quant import floats, kquants, q4_0, q4_1, q5, q8_0
+from cfr_atlas.quant import floats, int8_fields, kquants, q4_0, q4_1, q5, q8_0
 from cfr_atlas.quant.formats import Codec, QType, qtype_from_gguf, row_bytes
+from cfr_atlas.quant.subblock import Offset
 
 CODECS: dict[QType, Codec] = {
     c.qtype: c
     for c in (q8_0.CODEC, q4_0.CODEC, q4_1.CODEC, *q5.CODECS, *kquants.CODECS, *floats.CODECS)
 }
-INT8_CODECS: dict[QType, Codec] = {**CODECS, **{c.qtype: c for c in (q8_0.INT8, q4_0.INT8,
-                                                                      q4_1.INT8)}}
+# the sub-block formats whose sub-block is the activation block of 32 (int8_fields.py); Q6_K,
+# Q2_K and Q3_K (sub-blocks of 16) keep their float codec under int8
+INT8_FIELDS = {QType.Q5_0: (q5.q5_0_fields, Offset.NONE), QType.Q5_1: (q5.q5_1_fields, Offset.ADD),
+               QType.IQ4_NL: (q5.iq4_nl_fields, Offset.NONE),
+               QType.Q4_K: (kquants.q4_k_fields, Offset.SUBTRACT),
+               QType.Q5_K: (kquants.q5_k_fields, Offset.SUBTRACT)}
+INT8_CODECS: dict[QType, Codec] = {
+    **CODECS,
+    **{c.qtype: c for c in (q8_0.INT8, q4_0.INT8, q4_1.INT8)},
+    **{qt: int8_fields.codec(qt, f, off, CODECS[qt].dequantize)
+       for qt, (f, off) in INT8_FIELDS.items()},
+}
 ARITHMETIC: dict[str, dict[QType, Codec]] = {"float": CODECS, "int8": INT8_CODECS}
 
 

@@ -1,0 +1,99 @@
+"""The integer path (int8.py) for the sub-block formats whose sub-blocks are the activation
+block of 32: Q5_0, Q5_1 and IQ4_NL (one sub-block per block) and Q4_K, Q5_K (eight per
+256-weight super-block). Built from each format's `Fields` unpacker (subblock.py), so a format
+module adds nothing here.
+
+    w[:, s * 32 + j] = a[:, s] * q[:, s * 32 + j]  (+ or - c[:, s])
+
+A row's sub-block s is activation block s, so one integer dot per (row, s) suffices:
+  * no offset (Q5_0: q - 16 in -16..15; IQ4_NL: its table, -127..113): int8 weights and the
+    SCALE term, (a_s * dx) * isum, Q8_0's kernel;
+  * an offset (Q5_1 adds its f16 m; Q4_K, Q5_K subtract dmin * m_s; q in 0..31): int8 weights
+    and the MIN term, (a_s * dx) * isum + m_s * (dx * xsum), Q4_1's term on int8 bytes, with
+    m_s = c_s or -c_s (negation is exact, so a_s q + (-c_s) has a_s q - c_s's bits).
+That is llama.cpp's arithmetic for these formats against Q8_0/Q8_1/Q8_K activations (per
+32-element block here; it takes one scale per 256 for the K-quants). Q6_K, Q2_K and Q3_K
+(sub-blocks of 16) keep their float codec under int8: their sub-block is half an activation
+block, which these kernels do not split.
+
+Weights take one byte each (like the float path's tiles), scales and offsets 4 bytes per 32
+weights. Dequantization and row reads give the float path's bits (the same a, c, q).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
+
+import numpy as np
+
+from cfr_atlas.quant import int8
+from cfr_atlas.quant.formats import Codec, QType
+from cfr_atlas.quant.subblock import Fields, Offset, values
+from cfr_atlas.quant.tiles import gather_rows, to_tiles
+
+QK = int8.QK
+
+
+class IntTiles(NamedTuple):
+    q: np.ndarray  # (n_tiles, nb * TILE_ROWS * QK) int8 block tiles (int8.py layout)
+    d: np.ndarray  # (n_tiles, nb * TILE_ROWS) float32 sub-block scales a_s (tiles.py layout)
+    m: np.ndarray  # the same for the offset as added (c_s or -c_s); (n_tiles, 0) without one
+
+
+_KERNELS = {False: int8.tile_kernel(nibbles=False, term=int8.SCALE),
+            True: int8.tile_kernel(nibbles=False, term=int8.MIN)}
+
+
+def _repack(fields: Callable[[np.ndarray], Fields], offset: Offset, raw: np.ndarray) -> IntTiles:
+    a, c, q = fields(raw)
+    d = to_tiles(a)
+    if offset is Offset.NONE:
+        m = np.zeros((d.shape[0], 0), dtype=np.float32)
+    else:
+        m = to_tiles(-c if offset is Offset.SUBTRACT else c)
+    return IntTiles(int8.to_block_tiles(q, QK), d, m)
+
+
+def _unpack_rows(offset: Offset, tiles: IntTiles, ids: np.ndarray | slice,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    q = int8.gather_block_rows(tiles.q, ids, QK).view(np.int8)
+    a, c = gather_rows(tiles.d, ids), None
+    if offset is not Offset.NONE:  # undo the repack's negation: -(-c) has c's bits
+        c = gather_rows(tiles.m, ids)
+        c = -c if offset is Offset.SUBTRACT else c
+    return values(a, c, q, np.empty(q.shape, dtype=np.float32) if out is None else out, offset)
+
+
+def _matmul(has_m: bool, x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
+    xq, xd, xsum = int8.quantize(x)
+    _KERNELS[has_m](xq, xd, xsum, tiles.q, tiles.d, tiles.m if has_m else tiles.d, out)
+
+
+def _matmul_numpy(has_m: bool, x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
+    """The twin: the same quantization, exact block dots, the same float32 operations in the
+    same block order as the kernel's SCALE / MIN term."""
+    xq, xd, xsum = int8.quantize_numpy(x)
+    w = int8.gather_block_rows(tiles.q, slice(None), QK).view(np.int8)
+    dots = int8.block_dots_numpy(w, xq).astype(np.float32)  # exact: |isum| < 2**24
+    d = gather_rows(tiles.d, slice(None))
+    m = gather_rows(tiles.m, slice(None)) if has_m else None
+    sx = xd * xsum.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # edge scales: inf, as the kernel
+        acc = np.zeros(dots.shape[:2], dtype=np.float32)
+        for b in range(d.shape[1]):
+            term = (d[None, :, b] * xd[:, None, b]) * dots[:, :, b]
+            if has_m:
+                term = term + m[None, :, b] * sx[:, None, b]
+            acc = acc + term
+    out[:] = acc[:, :out.shape[1]]
+
+
+def codec(qtype: QType, fields: Callable[[np.ndarray], Fields], offset: Offset,
+          dequantize: Callable[[np.ndarray], np.ndarray]) -> Codec:
+    """The int8-path Codec of a format with sub-blocks of 32 (its float codec's dequantize)."""
+    has_m = offset is not Offset.NONE
+    return Codec(qtype, np.dtype(np.uint8), dequantize, partial(_repack, fields, offset),
+                 partial(_unpack_rows, offset), partial(_matmul, has_m),
+                 partial(_matmul_numpy, has_m))
