@@ -12,10 +12,12 @@ from quant_data import BLOCK_FORMATS, assert_bits_equal, edge_raw, quantized, re
 
 from cfr_atlas.errors import ConfigError
 from cfr_atlas.quant import QType, QuantWeight, int8, q4_0, q4_1, q8_0
-from cfr_atlas.quant.weight import CODECS, INT8_CODECS
+from cfr_atlas.quant.weight import CODECS, INT8_CODECS, INT8_FIELDS
 
-# the formats with an integer path (the others keep their float codec under int8, tested below)
+# the formats with their own integer path (the others keep their float codec under int8, tested
+# below); EVERY_INT8 adds those of int8_fields.py (test_quant_int8_fields.py tests the rest)
 INT8_FORMATS = {q: BLOCK_FORMATS[q] for q in (QType.Q8_0, QType.Q4_0, QType.Q4_1)}
+EVERY_INT8 = [*INT8_FORMATS, *INT8_FIELDS]
 
 KERNELS = {QType.Q8_0: q8_0._int_kernel, QType.Q4_0: q4_0._int_kernel,
            QType.Q4_1: q4_1._int_kernel}
@@ -119,10 +121,10 @@ def test_kernel_equals_twin(qtype, shape, t):
     assert_bits_equal(w.matmul(x), _twin(w, x))
 
 
-@pytest.mark.parametrize("qtype", list(INT8_FORMATS))
+@pytest.mark.parametrize("qtype", EVERY_INT8)
 def test_kernel_equals_twin_on_edge_blocks_and_non_finite(qtype):
-    w = _int8(qtype, edge_raw(qtype, 45, 128, seed=4), (45, 128))
-    x = _x(6, 128, seed=5)
+    w = _int8(qtype, edge_raw(qtype, 45, 512, seed=4), (45, 512))
+    x = _x(6, 512, seed=5)
     x[0, :5] = [0.0, -0.0, 1e-40, -1e-40, 3e38]
     x[1, 40], x[2, 100] = np.nan, -np.inf  # NaN rows where those blocks feed them
     y = w.matmul(x)
@@ -130,10 +132,10 @@ def test_kernel_equals_twin_on_edge_blocks_and_non_finite(qtype):
     assert np.isnan(y[1]).all() and np.isnan(y[2]).all() and not np.isnan(y[3]).any()
 
 
-@pytest.mark.parametrize("qtype", list(INT8_FORMATS))
+@pytest.mark.parametrize("qtype", EVERY_INT8)
 def test_rows_and_dequantize_read_the_int8_layout(qtype):
-    raw = edge_raw(qtype, 45, 96, seed=8)
-    w = _int8(qtype, raw, (45, 96))
+    raw = edge_raw(qtype, 45, 512, seed=8)
+    w = _int8(qtype, raw, (45, 512))
     ref = reference(qtype, raw)
     assert_bits_equal(w.dequantize(), ref)
     ids = np.array([44, 0, 17, 16, 17])
@@ -151,11 +153,11 @@ def test_float_formats_keep_their_float_codec():
 # --- batch invariance ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("qtype", list(INT8_FORMATS))
+@pytest.mark.parametrize("qtype", EVERY_INT8)
 @pytest.mark.parametrize("t", [1, 2, 3, 7, 64])
 def test_rows_equal_matvec_chunks_and_threads(qtype, t):
-    w = _int8(qtype, quantized(qtype, 100, 128, seed=t), (100, 128))
-    x = _x(t, 128, seed=t + 1)
+    w = _int8(qtype, quantized(qtype, 100, 256, seed=t), (100, 256))
+    x = _x(t, 256, seed=t + 1)
     y = w.matmul(x)
     for i in range(t):
         assert_bits_equal(y[i], w.matvec(x[i]))
@@ -173,7 +175,7 @@ def test_rows_equal_matvec_chunks_and_threads(qtype, t):
 # --- accuracy ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("qtype", list(INT8_FORMATS))
+@pytest.mark.parametrize("qtype", EVERY_INT8)
 def test_accuracy_against_float64(qtype):
     """|y - W x| <= sum_b (d_x,b / 2) sum_j |w_bj| (activation rounding, at most half a step
     per element) plus float32 rounding of the per-block terms; and the bound is not vacuous."""
