@@ -3,7 +3,6 @@ a warm cache (or an already compiled kernel) prints nothing."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import shutil
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 from numba import njit
 from numba.core import event
+from numba.core.caching import UserProvidedCacheLocator
 
 import cfr_atlas
 from cfr_atlas.jit_progress import HEADER, CompileReporter, report_compiles
@@ -51,8 +51,8 @@ def _cache_dir_missing(tmp_path: Path, package: str, module: str) -> Path:
     root = Path(cfr_atlas.__file__).parent
     target = tmp_path / "numba"
     for cache in root.rglob("__pycache__"):
-        src_dir = cache.parent  # the locator's folder: <dir name>_<sha1 of the dir's path>
-        sub = f"{src_dir.name}_{hashlib.sha1(str(src_dir.resolve()).encode()).hexdigest()}"
+        src_dir = cache.parent
+        sub = UserProvidedCacheLocator.get_suitable_cache_subpath(str(src_dir / "any.py"))
         for f in [*cache.glob("*.nbi"), *cache.glob("*.nbc")]:
             if not (src_dir.name == package and f.name.startswith(module + ".")):
                 (target / sub).mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ import numpy as np
 
 from cfr_atlas.quant import int8
 from cfr_atlas.quant.formats import Codec, QType
-from cfr_atlas.quant.subblock import Fields, Offset, values
+from cfr_atlas.quant.subblock import Fields, Offset, row_offsets, values
 from cfr_atlas.quant.tiles import gather_rows, to_tiles
 
 QK = int8.QK
@@ -59,10 +59,7 @@ def _repack(fields: Callable[[np.ndarray], Fields], offset: Offset, raw: np.ndar
 def _unpack_rows(offset: Offset, tiles: IntTiles, ids: np.ndarray | slice,
                  out: np.ndarray | None = None) -> np.ndarray:
     q = int8.gather_block_rows(tiles.q, ids, QK).view(np.int8)
-    a, c = gather_rows(tiles.d, ids), None
-    if offset is not Offset.NONE:  # undo the repack's negation: -(-c) has c's bits
-        c = gather_rows(tiles.m, ids)
-        c = -c if offset is Offset.SUBTRACT else c
+    a, c = gather_rows(tiles.d, ids), row_offsets(offset, tiles.m, ids)
     return values(a, c, q, np.empty(q.shape, dtype=np.float32) if out is None else out, offset)
 
 

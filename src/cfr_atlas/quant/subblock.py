@@ -105,13 +105,19 @@ def _repack(fields: Callable[[np.ndarray], Fields], offset: Offset, raw: np.ndar
     return Tiles(to_tiles(q), tiled_a, tiled_c)
 
 
+def row_offsets(offset: Offset, c_tiles: np.ndarray, ids: np.ndarray | slice) -> np.ndarray | None:
+    """Rows `ids` of the offsets c as the format defines them (None without offsets), from
+    tiles holding what the kernels add: the repack's negation undone, -(-c) has c's bits."""
+    if offset is Offset.NONE:
+        return None
+    c = gather_rows(c_tiles, ids)
+    return -c if offset is Offset.SUBTRACT else c
+
+
 def _unpack_rows(offset: Offset, tiles: Tiles, ids: np.ndarray | slice,
                  out: np.ndarray | None = None) -> np.ndarray:
     q, a = gather_rows(tiles.q, ids), gather_rows(tiles.a, ids)
-    c = None
-    if offset is not Offset.NONE:  # undo _repack's negation: -(-c) has c's bits
-        c = gather_rows(tiles.c, ids)
-        c = -c if offset is Offset.SUBTRACT else c
+    c = row_offsets(offset, tiles.c, ids)
     return values(a, c, q, np.empty(q.shape, dtype=np.float32) if out is None else out, offset)
 
 
