@@ -95,14 +95,14 @@ def test_a_failing_item_leaves_the_others_exact(model, tmp_path):
         for s in range(4):  # everyone prefilled alike
             model.net.forward_batch([BatchItem(batch[s], prompts[s])])
             _solo(model, solo[s], prompts[s], False, True, False)
-        real = batch[1].attend
+        real = batch[1].store_attend
 
-        def failing_attend(layer, q, context):
+        def failing_store_attend(layer, pos0, x, k, v, q, **score):
             if layer == 1:
                 raise RegeneratorError("L1/H0/p0", "page file vanished")
-            return real(layer, q, context)
+            return real(layer, pos0, x, k, v, q, **score)
 
-        batch[1].attend = failing_attend  # the spill sequence fails in its second layer
+        batch[1].store_attend = failing_store_attend  # the spill sequence fails in layer 1
         bad = np.array([model.config.vocab_size], dtype=np.int64)
         for _ in range(3):
             tokens = rng.integers(0, model.config.vocab_size, 4)

@@ -330,6 +330,38 @@ def merge_partitions(m, l, acc, sinks, out):
     (_merge_parallel if big else _merge_serial)(m, l, acc, sinks, out)
 
 
+@njit(cache=True, nogil=True)
+def fold_hot(q, qpos, slabs, slot, span, score, sinks, out):
+    """An all-hot walk in one call: `fold_pages` over every page of `slot` (H, NP) read from the
+    hot slab (src SRC_HOT), then `merge_partitions` into out (T, H, G, Dv) f32. span = (lo,
+    context, split); score as `fold_pages`. The partition states are allocated here and the
+    serial / parallel kernels are chosen by the same rules as those two functions, so the
+    result is bitwise theirs (the decode path of `Atlas.write_attend`: no Python per layer
+    between the K/V write and the attention output)."""
+    n_tok, n_head, n_grp, _ = q.shape
+    n_pg = slot.shape[1]
+    lo, context, split = span
+    n_part = (lo + n_pg + split - 1) // split
+    dv = out.shape[3]
+    m = np.full((n_tok, n_head, n_part, n_grp), -np.inf, dtype=np.float64)
+    l = np.zeros((n_tok, n_head, n_part, n_grp), dtype=np.float64)
+    acc = np.zeros((n_tok, n_head, n_part, n_grp, dv), dtype=np.float64)
+    src = np.zeros((n_head, n_pg), dtype=np.int64)  # SRC_HOT
+    walk = (src, slot, np.zeros((n_head, n_pg), dtype=np.uint32),
+            np.zeros((n_head, n_pg), dtype=np.uint8))
+    b = n_head * n_pg
+    full = (lo, context, split, 0, b)
+    items = n_head * ((lo + n_pg - 1) // split - lo // split + 1) * n_tok
+    if n_tok * n_grp * b * slabs[0].shape[2] >= PARALLEL_MIN_PAIRS:
+        _fold_parallel(q, qpos, slabs, walk, full, score, (m, l, acc), items)
+    else:
+        _fold_serial(q, qpos, slabs, walk, full, score, (m, l, acc), items)
+    if n_tok * n_head * n_part * n_grp * dv >= PARALLEL_MIN_PAIRS:
+        _merge_parallel(m, l, acc, sinks, out)
+    else:
+        _merge_serial(m, l, acc, sinks, out)
+
+
 # --- NumPy twins (same signatures; tests compare them with the kernels) ----------------------
 
 def fold_pages_numpy(q, qpos, slabs, walk, span, score, state):

@@ -34,6 +34,7 @@ No timing or telemetry code lives here: mutators return counts, the runtime reco
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from cfr_atlas.atlas.config import AtlasConfig
 from cfr_atlas.atlas.pages import PageKey
@@ -392,6 +393,31 @@ class HotCache:
         self._account(lay, T * len(heads) * self.row_bytes, 0)
         return True
 
+    def append_walk(self, layer: int, start: int, k_st: np.ndarray, v_st: np.ndarray,
+                    lo: int, ticks: tuple[int, int] | None) -> np.ndarray | None:
+        """The decode path in one call: when `append` applies to every head 0..H-1 of the rows
+        (T, H, D) and every page lo.. of those heads is then resident and whole (a walk of the
+        new context with no miss), append the rows (at ticks[0]), touch the walk's pages (at
+        ticks[1], as a fold's `touch` would) and return the walk's slots (H, NP). Else change
+        nothing and return None (the caller takes the general path). ticks None: only look
+        (the slots are returned, nothing is written)."""
+        lay = self.layers.get(layer)
+        if lay is None:
+            return None
+        T, H = k_st.shape[0], k_st.shape[1]
+        n_pages = -(-(start + T) // self.page_tokens)
+        if not (0 <= lo < n_pages <= lay.slot.shape[1] and H <= lay.slot.shape[0]):
+            return None
+        slots = np.empty((H, n_pages - lo), dtype=np.int64)
+        write = ticks is not None
+        tick_w, tick_a = ticks if write else (0, 0)
+        if not _append_walk(lay.slot, lay.tokens, lay.last_use, self.k, self.v, start, k_st,
+                            v_st, lo, tick_w, tick_a, slots, write):
+            return None
+        if write:
+            self._account(lay, T * H * self.row_bytes, 0)
+        return slots
+
     def forget_before(self, layer: int, token: int) -> int:
         """Evict `layer`'s resident pages that end at or before `token` (a sliding window no
         query will reach again); returns how many."""
@@ -422,3 +448,40 @@ class HotCache:
         self.resident_bytes = self.held_slots = 0
         self._empty_pool()
         self._end()
+
+
+@njit(cache=True, nogil=True)
+def _append_walk(slot, tokens, last_use, k, v, start, k_st, v_st, lo, tick_w, tick_a, out,
+                 write):
+    """`HotCache.append_walk`'s check and writes: True and out (H, NP) filled when the append
+    applies to heads 0..H-1 and pages lo.. are all then resident and whole (and, if `write`,
+    done); False with nothing written otherwise."""
+    n_t, n_h = k_st.shape[0], k_st.shape[1]
+    page_tokens = v.shape[1]
+    page, off = divmod(start, page_tokens)
+    if off == 0 or off + n_t > page_tokens or page - lo + 1 != out.shape[1]:
+        return False
+    for h in range(n_h):
+        if slot[h, page] < 0 or tokens[h, page] != off:
+            return False
+        for p in range(lo, page):
+            if slot[h, p] < 0 or tokens[h, p] != page_tokens:
+                return False
+    if not write:
+        for h in range(n_h):
+            for p in range(lo, page + 1):
+                out[h, p - lo] = slot[h, p]
+        return True
+    for h in range(n_h):  # what `append` writes: K^T columns, V rows, rows held, recency
+        s = slot[h, page]
+        for t in range(n_t):
+            for e in range(k.shape[1]):
+                k[s, e, off + t] = k_st[t, h, e]
+            for e in range(v.shape[2]):
+                v[s, off + t, e] = v_st[t, h, e]
+        tokens[h, page] = off + n_t
+        last_use[h, page] = tick_w
+        for p in range(lo, page + 1):  # what the fold's `touch` then marks
+            last_use[h, p] = tick_a
+            out[h, p - lo] = slot[h, p]
+    return True

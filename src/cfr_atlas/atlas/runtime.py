@@ -190,16 +190,8 @@ class Atlas:
         context = _check_index("context_tokens", context_tokens)
         if context < n_tok:
             raise PageError(f"context_tokens {context} is smaller than the {n_tok} query tokens")
-        win = self._check_window(window)
-        scale = cfg.query_scale() if scale is None else scale
-        if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
-            raise NumericError(f"scale must be a finite positive number, got {scale!r}")
-        cap = 0.0 if softcap is None else float(softcap)
-        if not (math.isfinite(cap) and cap >= 0):
-            raise NumericError(f"softcap must be finite and positive, got {softcap!r}")
-        alibi = _per_head("alibi_slope", alibi, n_head, n_grp, 0.0)
-        sinks = _per_head("sink", sinks, n_head, n_grp, np.nan) if sinks is not None else \
-            np.full((n_head, n_grp), np.nan, dtype=np.float32)
+        scale, cap, alibi, win, sinks = self._score(n_head, n_grp, scale, softcap, alibi, window,
+                                                    sinks)
         if out is not None:
             self._check_out(out, q.shape[:3] + (cfg.out_dim,))
         policy = KeepAll() if policy is None else policy
@@ -220,6 +212,45 @@ class Atlas:
             self._wipe_scratch()
         self._total.add(self._last)
         return result
+
+    def write_attend(self, backend: KvRegenerator, layer: int, start_token: int,
+                     k_st: np.ndarray, v_st: np.ndarray, query: np.ndarray, policy=None,
+                     **score) -> np.ndarray:
+        """`write_stored` of the rows (T, H, D) of tokens start.. for K/V heads 0..H-1, then
+        `attend_heads` of query (T, H, G, D) over the context start + T they end: the result,
+        the hot cache, the telemetry and the regenerator's view are those of the two calls.
+
+        The decode path: when the rows grow resident pages in place and every page the query
+        reads is then hot, the write, the recency marks, the fold and the merge are two
+        compiled calls (`HotCache.append_walk`, `fold.fold_hot`) instead of two walks in
+        Python; any other case (a new page, a miss, a checked-out argument) takes the two
+        calls themselves, which raise what they raise."""
+        cfg = self.config
+        fast = (isinstance(k_st, np.ndarray) and k_st.ndim == 3
+                and isinstance(v_st, np.ndarray) and isinstance(query, np.ndarray)
+                and type(start_token) is int and start_token >= 0 and type(layer) is int)
+        T, H = (k_st.shape[0], k_st.shape[1]) if fast else (0, 0)
+        fast = fast and (k_st.dtype == v_st.dtype == cfg.dtype.array_dtype
+                         and k_st.shape[2] == cfg.head_dim
+                         and v_st.shape == (T, H, cfg.stored_value_dim)
+                         and query.ndim == 4 and query.shape[:2] == (T, H))
+        if fast:
+            try:  # an argument error is raised by attend_heads below, after the write, as ever
+                q = self._check_query(query, H)
+                args = self._score(H, q.shape[2], **score)
+                context, P = start_token + T, cfg.page_tokens
+                lo = first_page(context - T - args[3] + 1, P) if args[3] else 0
+                # a walk with no miss (a regenerator that maps pages is told so first)
+                fast = self._hot_walk_known(backend, layer, start_token, k_st, v_st, lo, context)
+            except AtlasError:
+                fast = False
+        if fast:
+            slots = self.cache.append_walk(layer, start_token, k_st, v_st, lo,
+                                           (self._tick + 1, self._tick + 2))
+            return self._fold_hot(q, context, lo, slots, args)
+        self.write_stored(layer, start_token, k_st, v_st, policy)
+        heads = range(k_st.shape[1])
+        return self.attend_heads(backend, layer, heads, query, start_token + T, policy, **score)
 
     def write_rows(self, layer: int, start_token: int, k_rows: np.ndarray, v_rows: np.ndarray,
                    policy=None, kv_heads=None) -> tuple[np.ndarray, np.ndarray]:
@@ -352,6 +383,59 @@ class Atlas:
                          table_bytes=self.cache.table_bytes())
 
     # --- internals -------------------------------------------------------------------------
+    def _score(self, n_head: int, n_grp: int, scale=None, softcap=None, alibi=None,
+               window=None, sinks=None) -> tuple:
+        """The score options checked and in kernel form: (scale, softcap (0 = none), alibi
+        (H, G) f32, window (0 = none), sinks (H, G) f32, NaN = none)."""
+        win = self._check_window(window)
+        scale = self.config.query_scale() if scale is None else scale
+        if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
+            raise NumericError(f"scale must be a finite positive number, got {scale!r}")
+        cap = 0.0 if softcap is None else float(softcap)
+        if not (math.isfinite(cap) and cap >= 0):
+            raise NumericError(f"softcap must be finite and positive, got {softcap!r}")
+        alibi = _per_head("alibi_slope", alibi, n_head, n_grp, 0.0)
+        sinks = _per_head("sink", sinks, n_head, n_grp, np.nan) if sinks is not None else \
+            np.full((n_head, n_grp), np.nan, dtype=np.float32)
+        return float(scale), cap, alibi, win, sinks
+
+    def _hot_walk_known(self, backend, layer, start, k_st, v_st, lo, context) -> bool:
+        """Whether `HotCache.append_walk` will take rows k_st, v_st of tokens start.. with pages
+        lo.. all hot; if so, a regenerator that maps pages learns what an all-hot fold tells it
+        through `map_pages` (it reads none of them: its read-ahead follows what folds read)."""
+        slots = self.cache.append_walk(layer, start, k_st, v_st, lo, None)
+        map_pages = getattr(backend, "map_pages", None)
+        if slots is not None and map_pages is not None:
+            P = self.config.page_tokens
+            lens = np.minimum(P, context - np.arange(lo, lo + slots.shape[1]) * P)
+            map_pages(layer, np.arange(slots.shape[0], dtype=np.int64), lo, lens,
+                      np.zeros(slots.shape, dtype=np.bool_))
+        return slots is not None
+
+    def _fold_hot(self, q, context, lo, slots, args) -> np.ndarray:
+        """`write_attend`'s compiled path after `append_walk` wrote the rows and marked the
+        walk: the counters of a write call and an all-hot attend call, the fold and merge."""
+        cfg, c = self.config, Counters(calls=1)
+        scale, cap, alibi, win, sinks = args
+        self._tick += 2
+        self._peak = max(self._peak, self.cache.resident_bytes)
+        self._total.calls += 1  # the write's call
+        self._last = c
+        self._scratch_used = False
+        n_head, n_pg = slots.shape
+        n_tok = q.shape[0]
+        out = np.empty(q.shape[:3] + (cfg.out_dim,), dtype=np.float32)
+        qpos = np.arange(context - n_tok, context, dtype=np.int64)
+        slabs = (self.cache.k, self.cache.v, self._scratch_k, self._scratch_v) + self._no_map
+        t0 = time.perf_counter()
+        fold.fold_hot(q, qpos, slabs, slots, (lo, context, cfg.split_pages),
+                      (np.float32(scale), np.float32(cap), alibi, win, self._fmt), sinks, out)
+        c.fold_seconds = time.perf_counter() - t0
+        c.hot_hits = c.pages_folded = n_head * n_pg
+        c.tokens_consumed = (context - lo * cfg.page_tokens) * n_head
+        self._total.add(c)
+        return out
+
     def _check_query(self, query, n_head: int) -> np.ndarray:
         D = self.config.head_dim
         if not isinstance(query, np.ndarray) or query.ndim != 4 or query.shape[1] != n_head \

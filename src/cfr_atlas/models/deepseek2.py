@@ -319,9 +319,9 @@ class DeepSeek2Model:
         """One layer's attention for rows x (T, dim) -> wo o (T, dim); stores the latent rows."""
         c, T = self.config, len(x)
         h = rms_norm(x, lay.attn_norm, c.norm_eps)
-        session.store_kv(i, pos0, x, self._latent_rows(lay, h, rope)[:, None],
-                         np.empty((T, 1, 0), dtype=np.float32))
-        o_lat = session.attend(i, self._queries(lay, h, rope), pos0 + T, scale=c.kq_scale)
+        o_lat = session.store_attend(i, pos0, x, self._latent_rows(lay, h, rope)[:, None],
+                                     np.empty((T, 1, 0), dtype=np.float32),
+                                     self._queries(lay, h, rope), scale=c.kq_scale)
         o = np.empty((T, c.n_heads * c.value_head_dim), dtype=np.float32)
         for hd in range(c.n_heads):  # values out of latent space
             o[:, hd * c.value_head_dim:(hd + 1) * c.value_head_dim] = lay.w_vb[hd].matmul(

@@ -208,9 +208,9 @@ class Gemma3Model:
         x = self.embed(ids)
         for i, lay in enumerate(w.layers):
             q, k, v = self.qkv(i, x, rope)
-            session.store_kv(i, pos0, x, k, v)
             q = q.reshape(T, c.n_kv_heads, c.group, c.head_dim)
-            attn = session.attend(i, q, pos0 + T, scale=c.query_scale, window=c.window(i))
+            attn = session.store_attend(i, pos0, x, k, v, q, scale=c.query_scale,
+                                        window=c.window(i))
             x = x + rms_norm(lay.wo.matmul(attn.reshape(T, -1)), lay.post_attn_norm, c.norm_eps)
             gu = _matmul(lay.w_gate_up, rms_norm(x, lay.ffn_norm, c.norm_eps))
             ffn = lay.w_down.matmul(geglu(gu[:, :c.hidden_dim], gu[:, c.hidden_dim:]))

@@ -431,9 +431,8 @@ class LlamaModel:
         rope = self.rope(positions)
         for i, lay in enumerate(w.layers):
             q, k, v = self.qkv(i, x, rope)
-            session.store_kv(i, pos0, x, k, v)
             q = q.reshape(T, c.n_kv_heads, c.group, c.head_dim)
-            attn = session.attend(i, q, pos0 + T)
+            attn = session.store_attend(i, pos0, x, k, v, q)
             x = x + lay.wo.matmul(attn.reshape(T, -1))              # h = x + attention(norm(x))
             x = x + lay.ffn(rms_norm(x, lay.ffn_norm, c.norm_eps))  # x = h + ffn(norm(h))
         session.advance(ids)
@@ -517,9 +516,8 @@ class LlamaModel:
         """One item's share of a layer: store its K/V rows, attend over its own context;
         (T, dim) float32, as in `forward_chunk`."""
         c, T = self.config, x.shape[0]
-        session.store_kv(layer, pos0, x, k, v)
         q = q.reshape(T, c.n_kv_heads, c.group, c.head_dim)
-        return session.attend(layer, q, pos0 + T).reshape(T, -1)
+        return session.store_attend(layer, pos0, x, k, v, q).reshape(T, -1)
 
     def _batch_outputs(self, items, rows: Rows, x: np.ndarray, results: list) -> list:
         """Output head over the wanted rows of every item still without a result."""

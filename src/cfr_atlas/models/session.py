@@ -282,6 +282,17 @@ class Session:
         self.backend.record(layer, pos0, x, k_st, v_st)
         self.atlas.write_stored(layer, pos0, k_st, v_st, self.policy)
 
+    def store_attend(self, layer: int, pos0: int, x: np.ndarray, k: np.ndarray, v: np.ndarray,
+                     q: np.ndarray, **score) -> np.ndarray:
+        """`store_kv` of rows k, v (T, n_kv, hd) of tokens pos0.., then `attend` of q (T, n_kv,
+        group, hd) over the context they end, in one call (`Atlas.write_attend`: a decode step
+        whose pages are all hot is one compiled walk). Same rows, result and state as the two
+        calls."""
+        k_st, v_st = self.atlas.stored_rows(pos0, k, v)
+        self.backend.record(layer, pos0, x, k_st, v_st)
+        return self.atlas.write_attend(self.backend, layer, pos0, k_st, v_st, q, self.policy,
+                                       **score)
+
     def attend(self, layer: int, q: np.ndarray, context: int, **score) -> np.ndarray:
         """q (T, n_kv, group, hd) -> (T, n_kv, group, hd) over the causal context; `score`:
         the Atlas's scale / softcap / window options (a window reads only its pages)."""
