@@ -33,6 +33,7 @@ from cfr_atlas import (
     RegeneratorError,
     SyntheticKv,
 )
+from cfr_atlas.atlas.storage import StorageDtype, round_rows
 
 D, P = 8, 4
 
@@ -214,3 +215,23 @@ def test_bad_write_rows(name):
     with pytest.raises(error):
         atlas.write_rows(0, kw.pop("start_token", 0), k, v, **kw)
     assert atlas.telemetry().resident_bytes == 0
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+@pytest.mark.parametrize("storage_dtype", ["float32", "float16", "bfloat16"])
+def test_stored_rows_catch_every_bad_element(storage_dtype):
+    """The compiled check of `stored_rows` (an OR over the exponent bits) sees a NaN, an inf or
+    an overflow of the storage dtype at any position of K or V; clean rows come back rounded."""
+    atlas = Atlas(AtlasConfig(page_tokens=P, head_dim=D, storage_dtype=storage_dtype))
+    rows = np.random.default_rng(3).standard_normal((3, 2, D)).astype(np.float32)
+    k_st, v_st = atlas.stored_rows(0, rows, rows[::-1].copy())
+    assert np.array_equal(k_st, round_rows(rows, StorageDtype(storage_dtype)))
+    big = {"float32": None, "float16": 7e4, "bfloat16": 3.4e38}[storage_dtype]
+    for value in [np.nan, np.inf, -np.inf] + ([big] if big else []):
+        for which in range(2):
+            for pos in np.ndindex(rows.shape):
+                bad = rows.copy()
+                bad[pos] = value
+                pair = (bad, rows) if which == 0 else (rows, bad)
+                with pytest.raises(NumericError):
+                    atlas.stored_rows(0, *pair)

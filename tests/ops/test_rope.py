@@ -1,5 +1,6 @@
 """RoPE: float64 loop reference, convention relations, inverse, invariance, errors."""
 
+import numba
 import numpy as np
 import pytest
 
@@ -143,3 +144,38 @@ def test_errors():
     cos, sin = rope_cos_sin(np.array([0, 1, 2]), rope_freqs(8))
     with pytest.raises(DimensionError, match="do not fit"):
         rotate(x, cos, sin)
+
+
+@pytest.mark.parametrize("mode", ["normal", "neox"])
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize(("n_tokens", "n_heads", "head_dim", "n_rot"),
+                         [(1, 9, 64, 64), (5, 3, 64, 32), (7, 2, 8, 6), (3, 14, 256, 256)])
+def test_kernel_is_its_numpy_twin(mode, inverse, n_tokens, n_heads, head_dim, n_rot):
+    """The compiled rotation gives NumPy's float32 bits (each product and sum rounded on its
+    own), in place or not."""
+    from cfr_atlas.ops.rope import rotate_numpy
+
+    x = _rand((n_tokens, n_heads, head_dim), seed=n_tokens) * np.float32(3)
+    cos, sin = rope_cos_sin(np.arange(40, 40 + n_tokens), rope_freqs(n_rot, theta=1e4))
+    want = rotate_numpy(x, cos, sin, mode=mode, inverse=inverse)
+    assert np.array_equal(rotate(x, cos, sin, mode=mode, inverse=inverse), want)
+    y = x.copy()
+    assert rotate(y, cos, sin, mode=mode, inverse=inverse, out=y) is y
+    assert np.array_equal(y, want)
+
+
+def test_kernel_has_no_fused_multiply_add():
+    """Exactness: a*c - b*s is two rounded products and a rounded difference, as NumPy's; an FMA
+    would round once and change bits."""
+    from cfr_atlas.ops.rope import _rotate_kernel
+
+    x = _rand((2, 3, 8))
+    cos, sin = rope_cos_sin(np.arange(2), rope_freqs(8, theta=1e4))
+    rotate(x, cos, sin, mode="neox")
+    # numba cannot inspect code loaded from its cache: compile the same function afresh
+    fresh = numba.njit(_rotate_kernel.py_func)
+    sig = _rotate_kernel.signatures[0]
+    fresh.compile(sig)
+    asm = fresh.inspect_asm(sig)
+    assert "vcvt" in asm or "mulss" in asm or "vmulps" in asm  # the kernel's own code
+    assert not any(op in asm for op in ("vfmadd", "vfmsub", "vfnmadd", "vfnmsub"))

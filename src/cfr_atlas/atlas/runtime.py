@@ -16,6 +16,7 @@ error carrying the page key is raised. This module does not compute K/V; backend
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -28,7 +29,14 @@ from cfr_atlas.atlas.config import AtlasConfig
 from cfr_atlas.atlas.hot_cache import HotCache
 from cfr_atlas.atlas.pages import PageKey, first_page, page_count, page_spans
 from cfr_atlas.atlas.policy import KeepAll
-from cfr_atlas.atlas.storage import StorageDtype, format_of, round_rows, stage_f32, widen
+from cfr_atlas.atlas.storage import (
+    StorageDtype,
+    format_of,
+    round_rows,
+    stage_f32,
+    stored_state,
+    widen,
+)
 from cfr_atlas.atlas.telemetry import Counters, Telemetry
 from cfr_atlas.errors import (
     AtlasError,
@@ -97,10 +105,17 @@ def _check_index(name: str, value, limit: int = 1 << 40) -> int:
     return int(value)
 
 
+@functools.lru_cache(maxsize=64)
+def _filled(n_head: int, n_grp: int, fill: float) -> np.ndarray:
+    """An (H, G) float32 array of `fill`, shared by every call (the kernels only read it; left
+    writeable, as a read-only array would be a second numba type to compile for)."""
+    return np.full((n_head, n_grp), fill, dtype=np.float32)
+
+
 def _per_head(name: str, value, n_head: int, n_grp: int, fill: float) -> np.ndarray:
     """Broadcast a scalar / (G,) / (H, G) option to an (H, G) float32 array."""
     if value is None:
-        return np.full((n_head, n_grp), fill, dtype=np.float32)
+        return _filled(n_head, n_grp, fill)
     arr = np.asarray(value, dtype=np.float32)
     try:
         arr = np.broadcast_to(arr, (n_head, n_grp)).astype(np.float32)
@@ -247,7 +262,8 @@ class Atlas:
         if fast:
             slots = self.cache.append_walk(layer, start_token, k_st, v_st, lo,
                                            (self._tick + 1, self._tick + 2))
-            return self._fold_hot(q, context, lo, slots, args)
+            if slots is not None:  # None only without a mapping regenerator: not all hot
+                return self._fold_hot(q, context, lo, slots, args)
         self.write_stored(layer, start_token, k_st, v_st, policy)
         heads = range(k_st.shape[1])
         return self.attend_heads(backend, layer, heads, query, start_token + T, policy, **score)
@@ -302,7 +318,17 @@ class Atlas:
         """Rows (T, H, D) f32 checked (shapes, finite, finite once rounded) and returned rounded
         to the storage dtype: what any later read sees. Callers writing elsewhere first, like a
         page file, take the rows from here, so they are checked and rounded once."""
-        cfg, out = self.config, []
+        cfg = self.config
+        if isinstance(k_rows, np.ndarray) and isinstance(v_rows, np.ndarray) \
+                and k_rows.dtype == v_rows.dtype == np.float32 and k_rows.ndim == v_rows.ndim == 3 \
+                and k_rows.shape[2] == cfg.head_dim and v_rows.shape == k_rows.shape[:2] + (
+                    cfg.stored_value_dim,) and k_rows.flags.c_contiguous \
+                and v_rows.flags.c_contiguous:  # the common case: two compiled checks
+            k_st, v_st = round_rows(k_rows, cfg.dtype), round_rows(v_rows, cfg.dtype)
+            if not (stored_state(k_rows, k_st, self._fmt) or stored_state(v_rows, v_st,
+                                                                            self._fmt)):
+                return k_st, v_st
+        out = []  # the checks one by one, which say what is wrong
         for name, rows, width in (("k_rows", k_rows, cfg.head_dim),
                                   ("v_rows", v_rows, cfg.stored_value_dim)):
             if not isinstance(rows, np.ndarray) or rows.ndim != 3 or rows.shape[2] != width \
@@ -395,22 +421,26 @@ class Atlas:
         if not (math.isfinite(cap) and cap >= 0):
             raise NumericError(f"softcap must be finite and positive, got {softcap!r}")
         alibi = _per_head("alibi_slope", alibi, n_head, n_grp, 0.0)
-        sinks = _per_head("sink", sinks, n_head, n_grp, np.nan) if sinks is not None else \
-            np.full((n_head, n_grp), np.nan, dtype=np.float32)
+        sinks = _per_head("sink", sinks, n_head, n_grp, np.nan)
         return float(scale), cap, alibi, win, sinks
 
     def _hot_walk_known(self, backend, layer, start, k_st, v_st, lo, context) -> bool:
-        """Whether `HotCache.append_walk` will take rows k_st, v_st of tokens start.. with pages
-        lo.. all hot; if so, a regenerator that maps pages learns what an all-hot fold tells it
-        through `map_pages` (it reads none of them: its read-ahead follows what folds read)."""
-        slots = self.cache.append_walk(layer, start, k_st, v_st, lo, None)
+        """Whether `write_attend` may try its compiled walk. With a regenerator that maps pages:
+        only if `HotCache.append_walk` will take rows k_st, v_st of tokens start.. with pages
+        lo.. all hot, and then the regenerator learns what an all-hot fold tells it through
+        `map_pages` (it reads none of them: its read-ahead follows what folds read). Without
+        one: always (append_walk itself then says whether it applies)."""
         map_pages = getattr(backend, "map_pages", None)
-        if slots is not None and map_pages is not None:
-            P = self.config.page_tokens
-            lens = np.minimum(P, context - np.arange(lo, lo + slots.shape[1]) * P)
-            map_pages(layer, np.arange(slots.shape[0], dtype=np.int64), lo, lens,
-                      np.zeros(slots.shape, dtype=np.bool_))
-        return slots is not None
+        if map_pages is None:
+            return True
+        slots = self.cache.append_walk(layer, start, k_st, v_st, lo, None)
+        if slots is None:
+            return False
+        P = self.config.page_tokens
+        lens = np.minimum(P, context - np.arange(lo, lo + slots.shape[1]) * P)
+        map_pages(layer, np.arange(slots.shape[0], dtype=np.int64), lo, lens,
+                  np.zeros(slots.shape, dtype=np.bool_))
+        return True
 
     def _fold_hot(self, q, context, lo, slots, args) -> np.ndarray:
         """`write_attend`'s compiled path after `append_walk` wrote the rows and marked the
@@ -433,7 +463,12 @@ class Atlas:
         c.fold_seconds = time.perf_counter() - t0
         c.hot_hits = c.pages_folded = n_head * n_pg
         c.tokens_consumed = (context - lo * cfg.page_tokens) * n_head
-        self._total.add(c)
+        total = self._total  # what _total.add(c) adds: c's other counters are 0
+        total.calls += 1
+        total.hot_hits += c.hot_hits
+        total.pages_folded += c.pages_folded
+        total.tokens_consumed += c.tokens_consumed
+        total.fold_seconds += c.fold_seconds
         return out
 
     def _check_query(self, query, n_head: int) -> np.ndarray:

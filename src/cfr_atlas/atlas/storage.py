@@ -182,3 +182,39 @@ def stage_f32(k_rows, v_rows, kt_out, v_out):
             kt_out[e, j] = k_rows[j, e]
     v_out[:, :] = v_rows
     return bad == 0
+
+
+def _overflowed(stored, fmt):
+    raise NotImplementedError("only callable from numba kernels")
+
+
+@overload(_overflowed, jit_options={"cache": True}, inline="always")
+def _overflowed_ov(stored, fmt):
+    """Whether a 16-bit stored element is inf or NaN (its exponent field all ones); float32
+    storage holds the rows themselves, checked already."""
+    if isinstance(fmt, types.Float):
+        return lambda stored, fmt: False
+    mask = 0x7C00 if fmt == types.uint16 else 0x7F80  # float16, bfloat16
+
+    def impl(stored, fmt):
+        bits = stored.ravel()
+        over = np.uint16(0)
+        for i in range(bits.size):
+            over |= np.uint16((bits[i] & np.uint16(mask)) == np.uint16(mask))
+        return over != 0
+    return impl
+
+
+@njit(cache=True, nogil=True)
+def stored_state(rows, stored, fmt) -> int:
+    """rows (float32, C-contiguous) and the same rows rounded to a storage format (`stored`,
+    its array dtype): 0 when every row is finite and still finite once stored, 1 when a row is
+    not finite, 2 when a finite row overflowed the format. Integer OR-reductions over the bits
+    (they vectorize)."""
+    bits, exp = rows.ravel().view(np.uint32), np.uint32(0x7F800000)
+    bad = np.uint32(0)
+    for i in range(bits.size):
+        bad |= np.uint32((bits[i] & exp) == exp)
+    if bad:
+        return 1
+    return 2 if _overflowed(stored, fmt) else 0

@@ -21,6 +21,7 @@ import math
 from enum import StrEnum
 
 import numpy as np
+from numba import njit
 
 from cfr_atlas.errors import ConfigError, DimensionError
 from cfr_atlas.ops._checks import as_f32, out_buffer
@@ -135,17 +136,41 @@ def rotate(
             f"cos {cos.shape} / sin {sin.shape} do not fit x {x.shape}: need ({n_tokens}, n)"
             f" with 2n <= head_dim {head_dim}"
         )
+    neox = _mode(mode) is RopeMode.NEOX
+    out = out_buffer(out, x.shape)
+    _rotate_kernel(x, cos, sin, neox, -1.0 if inverse else 1.0, out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _rotate_kernel(x, cos, sin, neox, sign, out):
+    """`rotate`'s arithmetic: per pair (a, b), a*c - b*s and a*s + b*c in float32, each
+    product and sum rounded on its own (no fused multiply-add), s = sign * sin (exact); dims
+    past the rotated pairs copied. Pairs are read before they are written (out may be x)."""
+    n_tok, n_head, head_dim = x.shape
+    half = cos.shape[1]
+    for t in range(n_tok):
+        for h in range(n_head):
+            for i in range(half):
+                ia, ib = (i, i + half) if neox else (2 * i, 2 * i + 1)
+                a, b = x[t, h, ia], x[t, h, ib]
+                c, s = cos[t, i], np.float32(sign) * sin[t, i]
+                out[t, h, ia] = a * c - b * s
+                out[t, h, ib] = a * s + b * c
+            for e in range(2 * half, head_dim):
+                out[t, h, e] = x[t, h, e]
+
+
+def rotate_numpy(x, cos, sin, *, mode: str = "normal", inverse: bool = False) -> np.ndarray:
+    """`rotate` in NumPy (its twin: the tests hold the kernel to these bits)."""
+    half = cos.shape[1]
     first, second = _pair_slices(_mode(mode), half)
     c = cos[:, None, :]
     s = -sin[:, None, :] if inverse else sin[:, None, :]
     a, b = x[..., first], x[..., second]
-    new_a = a * c - b * s
-    new_b = a * s + b * c
-    out = out_buffer(out, x.shape)
-    if out is not x:
-        out[..., 2 * half :] = x[..., 2 * half :]
-    out[..., first] = new_a
-    out[..., second] = new_b
+    out = x.copy()
+    out[..., first] = a * c - b * s
+    out[..., second] = a * s + b * c
     return out
 
 
