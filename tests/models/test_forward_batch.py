@@ -1,7 +1,8 @@
-"""`forward_batch` against `forward_chunk`: the logits of every item of a mixed batch are
-bitwise those of the item run alone, whatever the batch holds (prefill chunks and decode
-tokens, unbounded and budgeted sessions, spill and recompute, float16 and float32 K/V), and a
-failing item leaves the others exactly as they would be without it."""
+"""`forward_batch` against `forward_chunk` (the llama and gemma3 families, one concatenated
+pass each): the logits of every item of a mixed batch are bitwise those of the item run
+alone, whatever the batch holds (prefill chunks and decode tokens, unbounded and budgeted
+sessions, spill and recompute, float16 and float32 K/V), a failing item leaves the others
+exactly as they would be without it, and the weights stream once a step."""
 
 from __future__ import annotations
 
@@ -13,13 +14,19 @@ from cfr_atlas.engine import load_model
 from cfr_atlas.errors import ConfigError, RegeneratorError
 from cfr_atlas.models.batch import BatchItem
 from cfr_atlas.models.session import fixed_kv_bytes
+from cfr_atlas.testing.tiny_gemma3 import write_tiny_gemma3
 
 PAGE = 16  # small pages: a few hundred tokens span many, so budgets force regeneration
 
 
-@pytest.fixture(scope="module")
-def model(tiny_llama):
-    return load_model(tiny_llama)
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def model(request, tiny_llama, tmp_path_factory):
+    """The tiny llama, and a tiny Gemma 3 (sliding windows of 24 tokens: local layers' pages
+    leave the window while the batch runs; a final softcap on the head)."""
+    if request.param == "llama":
+        return load_model(tiny_llama)
+    path = tmp_path_factory.mktemp("gemma3") / "tiny-gemma3.gguf"
+    return load_model(write_tiny_gemma3(path, sliding_window=24, final_softcap=30.0))
 
 
 def _budget(model, regenerator: str, context: int, pages: int = 3) -> int:
@@ -136,3 +143,30 @@ def test_a_batch_of_one_is_forward_chunk(model, tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def test_the_weights_stream_once_per_step(model, tmp_path, monkeypatch):
+    """A step of three sequences calls each weight's matmul once, as one sequence alone does
+    (the rows are concatenated), not once per sequence. (No recompute sequence here: its page
+    regeneration runs K/V weights of its own, per sequence by design.)"""
+    from cfr_atlas.quant.weight import QuantWeight
+
+    every = _sessions(model, tmp_path, 200)
+    sessions = [every[0], every[1], every[3]]  # unbounded, spill, float32
+    every[2].close()
+    try:
+        for s in sessions:
+            model.net.forward_chunk(s, np.arange(1, 30, dtype=np.int64), output=False)
+        calls, real = [], QuantWeight.matmul
+        monkeypatch.setattr(QuantWeight, "matmul",
+                            lambda self, x, out=None: calls.append(self.name) or real(self, x, out))
+        model.net.forward_chunk(sessions[0], np.array([5], dtype=np.int64), all_logits=False)
+        one = sorted(calls)
+        calls.clear()
+        got = model.net.forward_batch([BatchItem(s, np.array([7], dtype=np.int64))
+                                       for s in sessions])
+        assert all(isinstance(g, np.ndarray) for g in got)
+        assert sorted(calls) == one and len(one) > 2 * model.config.n_layers
+    finally:
+        for s in sessions:
+            s.close()

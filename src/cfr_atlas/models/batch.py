@@ -6,8 +6,8 @@ of `forward_chunk`. The rows of all items are concatenated, item after item, for
 that is row-independent (embedding, norms, matmuls, activations, RoPE tables); `Rows` tracks
 which rows belong to which item while items that fail leave the pass.
 
-This module holds no arithmetic and no family-specific code; `LlamaModel.forward_batch` is
-the pass itself.
+`batched_forward` is the pass itself, for every family that gives it the pieces of a layer
+(see its docstring); this module holds no arithmetic and no family-specific code.
 """
 
 from __future__ import annotations
@@ -107,3 +107,124 @@ def one_by_one(net, items: list[BatchItem]) -> list:
         except Exception as exc:
             results[j] = exc
     return results
+
+
+def _take(tables, keep: np.ndarray):
+    """RoPE tables (arrays, or tuples / dicts of them, one row per activation row) at `keep`."""
+    if isinstance(tables, dict):
+        return {key: _take(value, keep) for key, value in tables.items()}
+    if isinstance(tables, tuple):
+        return tuple(_take(value, keep) for value in tables)
+    return tables[keep]
+
+
+def batched_forward(net, items: list[BatchItem]) -> list:
+    """Several sequences' chunks in one pass -> per item exactly what `net.forward_chunk` of
+    that item alone returns (bitwise), or the exception that item raised.
+
+    Every weight matmul, norm, activation and the RoPE tables run once over the rows of all
+    items concatenated (each op is row-independent: a row's bits never depend on its
+    neighbours or their number), so the weights stream once per step. Positions, the K/V
+    store and attention run per item on its own session (pages, budget, regenerator).
+
+    The family gives the pieces its `forward_chunk` is made of: `embed(ids)`, `rope(positions)`
+    (tables with one row per activation row), `attention_inputs(layer, x, rope)` -> q (T, n_kv,
+    group, hd), k, v (T, n_kv, hd), `attention_options(layer)` (the Atlas's score options),
+    `layer_output(layer, x, attn)` -> the next layer's input from x and attn (T, n_heads * hd),
+    `final_norm(x)`, `head(h)` -> logits, and `begin_step()`.
+
+    Errors stay with their item: an item with bad ids is refused before the pass; an item
+    whose store, attention or advance raises leaves the pass at once (its rows are dropped
+    from the activations), so the other items and their sessions go on exactly as if it
+    had never been in the batch. The failed item's session is left mid-chunk (n_tokens not
+    advanced, some layers' rows stored): close it, as after a failed `forward_chunk`. Only
+    an error in a shared kernel (a bug, or out of memory) propagates: then every item's
+    session is mid-chunk. A batch of one is `forward_chunk` itself (whatever makes one
+    sequence fast serves it; the tests hold both paths to the same bits).
+    """
+    results: list = [None] * len(items)
+    live, seen = [], set()
+    for j, item in enumerate(items):
+        try:
+            check_item(item, net.config.vocab_size, seen)
+            live.append(j)
+        except Exception as exc:
+            results[j] = exc
+    if len(live) == 1:
+        item = items[live[0]]
+        try:
+            results[live[0]] = net.forward_chunk(item.session, item.ids,
+                                                 all_logits=item.all_logits,
+                                                 hidden=item.hidden, output=item.output)
+        except Exception as exc:
+            results[live[0]] = exc
+        return results
+    if not live:
+        return results
+    rows = Rows(items, live)
+    net.begin_step()
+    x = net.embed(np.concatenate([items[j].ids for j in live]))
+    rope = net.rope(rows.positions())
+    for i in range(net.config.n_layers):
+        q, k, v = net.attention_inputs(i, x, rope)
+        options = net.attention_options(i)
+        attn = np.empty((x.shape[0], q.shape[1] * q.shape[2] * q.shape[3]), dtype=np.float32)
+        failed = []
+        for j, r in zip(rows.live, rows.spans, strict=True):  # per sequence: own K/V
+            try:
+                attn[r] = items[j].session.store_attend(
+                    i, rows.pos0[j], x[r], k[r], v[r], q[r], **options).reshape(len(x[r]), -1)
+            except Exception as exc:
+                results[j] = exc
+                failed.append(j)
+        if failed:
+            keep = rows.drop(failed)
+            x, attn, rope = x[keep], attn[keep], _take(rope, keep)
+            if not rows.live:
+                return results
+        x = net.layer_output(i, x, attn)
+    for j in list(rows.live):
+        try:
+            items[j].session.advance(items[j].ids)
+        except Exception as exc:
+            results[j] = exc
+    return _batch_outputs(net, items, rows, x, results)
+
+
+def _batch_outputs(net, items, rows: Rows, x: np.ndarray, results: list) -> list:
+    """Final norm and head over the wanted rows of every item still without a result."""
+    wanted = [(j, r) for j, r in rows.output_rows(items) if results[j] is None]
+    if not wanted:
+        return results
+    h = net.final_norm(x[np.concatenate([r for _, r in wanted])])
+    logit_rows = np.concatenate([np.full(len(r), not items[j].hidden) for j, r in wanted])
+    logits = net.head(h[logit_rows]) if logit_rows.any() else None
+    a = b = 0  # a: row in h, b: row in logits
+    for j, r in wanted:
+        if items[j].hidden:
+            results[j] = h[a:a + len(r)].copy()  # its own array: holds no other's rows
+        else:
+            results[j] = logits[b:b + len(r)].copy()
+            b += len(r)
+        a += len(r)
+    return results
+
+
+def forward_layers(net, session, ids: np.ndarray, all_logits: bool, hidden: bool,
+                   output: bool) -> np.ndarray | None:
+    """One sequence's chunk through the family's pieces (see `batched_forward`): what every
+    family's `forward_chunk` is, so the batched pass and the single one are made of the same
+    calls on the same rows."""
+    T, pos0 = ids.shape[0], session.n_tokens
+    net.begin_step()
+    x = net.embed(ids)
+    rope = net.rope(np.arange(pos0, pos0 + T, dtype=np.int64))
+    for i in range(net.config.n_layers):
+        q, k, v = net.attention_inputs(i, x, rope)
+        attn = session.store_attend(i, pos0, x, k, v, q, **net.attention_options(i))
+        x = net.layer_output(i, x, attn.reshape(T, -1))
+    session.advance(ids)
+    if not output:
+        return None
+    x = net.final_norm(x if all_logits else x[-1:])
+    return x if hidden else net.head(x)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cfr_atlas.errors import ModelFormatError
-from cfr_atlas.models.batch import BatchItem, one_by_one
+from cfr_atlas.models.batch import BatchItem, batched_forward, forward_layers
 from cfr_atlas.models.gguf_io import GGUFFile
 from cfr_atlas.models.llama import LIMITS, _fused, _matmul, _weight, embed_and_head, rope_freq_scale
 from cfr_atlas.ops import geglu, rms_norm, rope_cos_sin, rope_freqs, rotate
@@ -192,34 +192,46 @@ class Gemma3Model:
         _, k, v = self.qkv(layer, x, self.rope(positions))
         return k[:, head], v[:, head]
 
+    # --- the pieces of a layer, shared by forward_chunk and batched_forward -----------------
+    def begin_step(self) -> None:
+        """Nothing to prepare (no experts)."""
+
+    def attention_inputs(self, layer: int, x: np.ndarray, rope):
+        """x (T, dim) -> q (T, n_kv, group, hd), k, v (T, n_kv, hd): `qkv`, q grouped."""
+        c = self.config
+        q, k, v = self.qkv(layer, x, rope)
+        return q.reshape(x.shape[0], c.n_kv_heads, c.group, c.head_dim), k, v
+
+    def attention_options(self, layer: int) -> dict:
+        c = self.config
+        return {"scale": c.query_scale, "window": c.window(layer)}
+
+    def layer_output(self, layer: int, x: np.ndarray, attn: np.ndarray) -> np.ndarray:
+        """x + post_attn_norm(wo attn), then + post_ffn_norm(down(gelu(gate) * up)) of
+        ffn_norm of that (attn (T, n_heads * hd))."""
+        c, lay = self.config, self.weights.layers[layer]
+        x = x + rms_norm(lay.wo.matmul(attn), lay.post_attn_norm, c.norm_eps)
+        gu = _matmul(lay.w_gate_up, rms_norm(x, lay.ffn_norm, c.norm_eps))
+        ffn = lay.w_down.matmul(geglu(gu[:, :c.hidden_dim], gu[:, c.hidden_dim:]))
+        return x + rms_norm(ffn, lay.post_ffn_norm, c.norm_eps)
+
+    def final_norm(self, x: np.ndarray) -> np.ndarray:
+        return rms_norm(x, self.weights.output_norm, self.config.norm_eps)
+
+    def head(self, h: np.ndarray) -> np.ndarray:
+        """Logits, soft-capped when the file sets final_logit_softcapping."""
+        c = self.config
+        logits = self.weights.output.matmul(h)
+        return softcap(logits, c.final_softcap) if c.final_softcap > 0 else logits
+
     def forward_batch(self, items: list[BatchItem]) -> list:
-        """Several sequences' chunks -> per item what `forward_chunk` alone returns, or its
-        exception. Not yet one concatenated pass: items run one after another (exact; the
-        weights stream once per item, so a Gemma 3 server batch does not gain throughput)."""
-        return one_by_one(self, items)
+        """Several sequences' chunks in one pass -> per item what `forward_chunk` alone returns
+        (bitwise), or its exception (`batch.batched_forward`: the weights stream once a
+        step)."""
+        return batched_forward(self, items)
 
     def forward_chunk(self, session, ids: np.ndarray, *, all_logits: bool = True,
                       hidden: bool = False, output: bool = True) -> np.ndarray | None:
         """Tokens ids (T,) at positions session.n_tokens ... -> logits (T or 1, vocab) float32,
         or with hidden=True the final normalized hidden states. Appends the chunk's K/V."""
-        c, w = self.config, self.weights
-        T, pos0 = ids.shape[0], session.n_tokens
-        rope = self.rope(np.arange(pos0, pos0 + T, dtype=np.int64))
-        x = self.embed(ids)
-        for i, lay in enumerate(w.layers):
-            q, k, v = self.qkv(i, x, rope)
-            q = q.reshape(T, c.n_kv_heads, c.group, c.head_dim)
-            attn = session.store_attend(i, pos0, x, k, v, q, scale=c.query_scale,
-                                        window=c.window(i))
-            x = x + rms_norm(lay.wo.matmul(attn.reshape(T, -1)), lay.post_attn_norm, c.norm_eps)
-            gu = _matmul(lay.w_gate_up, rms_norm(x, lay.ffn_norm, c.norm_eps))
-            ffn = lay.w_down.matmul(geglu(gu[:, :c.hidden_dim], gu[:, c.hidden_dim:]))
-            x = x + rms_norm(ffn, lay.post_ffn_norm, c.norm_eps)
-        session.advance(ids)
-        if not output:
-            return None
-        x = rms_norm(x if all_logits else x[-1:], w.output_norm, c.norm_eps)
-        if hidden:
-            return x
-        logits = w.output.matmul(x)
-        return softcap(logits, c.final_softcap) if c.final_softcap > 0 else logits
+        return forward_layers(self, session, ids, all_logits, hidden, output)

@@ -6,7 +6,8 @@ matrices as `QuantWeight`s (never expanded to float32) and fuses Q|K|V and gate|
 concatenating their quantized rows when they share a format. `forward_chunk` is the whole
 transformer for a chunk of tokens, top to bottom, with every attention call going through the
 caller's `Atlas` (the model's K/V lives there and in the session's regenerator).
-`forward_batch` is the same pass for several sequences at once (see its docstring).
+`forward_batch` is the same pass for several sequences at once; both are made of the per-layer
+pieces `attention_inputs`, `attention_options`, `layer_output` (models/batch.py).
 
 Architecture differences (RoPE convention, Q/K/V biases, rope_freqs, QK-norm) live in `ARCHS`,
 not as branches in a loader; the feed-forward block (dense or MoE, models/moe.py) is one object
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cfr_atlas.errors import ConfigError, ModelFormatError, UnsupportedArchitectureError
-from cfr_atlas.models.batch import BatchItem, Rows, check_item
+from cfr_atlas.models.batch import BatchItem, batched_forward, forward_layers
 from cfr_atlas.models.expert_memory import build_store, parse_expert_budget
 from cfr_atlas.models.gguf_io import GGUFFile
 from cfr_atlas.models.moe import NORM_TOPK, DenseFfn, MoeFfn, link_layers
@@ -413,6 +414,32 @@ class LlamaModel:
         cos, sin = self.rope(positions)
         return rotate(k, cos, sin, mode=c.rope_mode)[:, 0], kv[:, c.head_dim:]
 
+    # --- the pieces of a layer, shared by forward_chunk and batched_forward -----------------
+    def begin_step(self) -> None:
+        if self.experts is not None:
+            self.experts.begin_step()
+
+    def attention_inputs(self, layer: int, x: np.ndarray, rope):
+        """x (T, dim) -> q (T, n_kv, group, hd), k, v (T, n_kv, hd): `qkv`, q grouped."""
+        c = self.config
+        q, k, v = self.qkv(layer, x, rope)
+        return q.reshape(x.shape[0], c.n_kv_heads, c.group, c.head_dim), k, v
+
+    def attention_options(self, layer: int) -> dict:
+        return {}  # the Atlas's defaults: scale head_dim^-0.5, causal, no window
+
+    def layer_output(self, layer: int, x: np.ndarray, attn: np.ndarray) -> np.ndarray:
+        """h = x + wo attn;  h + ffn(norm(h)) (attn (T, n_heads * hd))."""
+        lay = self.weights.layers[layer]
+        x = x + lay.wo.matmul(attn)
+        return x + lay.ffn(rms_norm(x, lay.ffn_norm, self.config.norm_eps))
+
+    def final_norm(self, x: np.ndarray) -> np.ndarray:
+        return rms_norm(x, self.weights.output_norm, self.config.norm_eps)
+
+    def head(self, h: np.ndarray) -> np.ndarray:
+        return self.weights.output.matmul(h)
+
     def forward_chunk(self, session, ids: np.ndarray, *, all_logits: bool = True,
                       hidden: bool = False, output: bool = True) -> np.ndarray | None:
         """Tokens ids (T,) at positions session.n_tokens ... -> logits (T or 1, vocab) float32,
@@ -421,120 +448,10 @@ class LlamaModel:
         Appends the chunk's K/V to the session. Every row's arithmetic is independent of T.
         output=False skips the output head (a prefill chunk whose logits nobody reads): None.
         """
-        c, w = self.config, self.weights
-        T = ids.shape[0]
-        pos0 = session.n_tokens
-        if self.experts is not None:
-            self.experts.begin_step()
-        positions = np.arange(pos0, pos0 + T, dtype=np.int64)
-        x = self.embed(ids)
-        rope = self.rope(positions)
-        for i, lay in enumerate(w.layers):
-            q, k, v = self.qkv(i, x, rope)
-            q = q.reshape(T, c.n_kv_heads, c.group, c.head_dim)
-            attn = session.store_attend(i, pos0, x, k, v, q)
-            x = x + lay.wo.matmul(attn.reshape(T, -1))              # h = x + attention(norm(x))
-            x = x + lay.ffn(rms_norm(x, lay.ffn_norm, c.norm_eps))  # x = h + ffn(norm(h))
-        session.advance(ids)
-        if not output:
-            return None
-        if not all_logits:
-            x = x[-1:]
-        x = rms_norm(x, w.output_norm, c.norm_eps)
-        return x if hidden else w.output.matmul(x)
+        return forward_layers(self, session, ids, all_logits, hidden, output)
 
     def forward_batch(self, items: list[BatchItem]) -> list:
         """Several sequences' chunks in one pass -> per item exactly what `forward_chunk` of
-        that item alone returns (bitwise), or the exception that item raised.
-
-        Every weight matmul, norm, activation and the RoPE tables run once over the rows of all
-        items concatenated (each op is row-independent: a row's bits never depend on its
-        neighbours or their number), so the weights stream once per step. Positions, the K/V
-        store and attention run per item on its own session (pages, budget, regenerator).
-
-        Errors stay with their item: an item with bad ids is refused before the pass; an item
-        whose store, attention or advance raises leaves the pass at once (its rows are dropped
-        from the activations), so the other items and their sessions go on exactly as if it
-        had never been in the batch. The failed item's session is left mid-chunk (n_tokens not
-        advanced, some layers' rows stored): close it, as after a failed `forward_chunk`. Only
-        an error in a shared kernel (a bug, or out of memory) propagates: then every item's
-        session is mid-chunk. A batch of one is `forward_chunk` itself (whatever makes one
-        sequence fast serves it; the tests hold both paths to the same bits).
-        """
-        c, w = self.config, self.weights
-        results: list = [None] * len(items)
-        live, seen = [], set()
-        for j, item in enumerate(items):
-            try:
-                check_item(item, c.vocab_size, seen)
-                live.append(j)
-            except Exception as exc:
-                results[j] = exc
-        if len(live) == 1:
-            return self._forward_one(items, live[0], results)
-        rows = Rows(items, live)
-        if not live:
-            return results
-        if self.experts is not None:
-            self.experts.begin_step()
-        x = self.embed(np.concatenate([items[j].ids for j in live]))
-        cos, sin = self.rope(rows.positions())
-        for i, lay in enumerate(w.layers):
-            q, k, v = self.qkv(i, x, (cos, sin))
-            attn, failed = np.empty((x.shape[0], c.n_heads * c.head_dim), dtype=np.float32), []
-            for j, r in zip(rows.live, rows.spans, strict=True):  # per sequence: own K/V
-                try:
-                    attn[r] = self._attend_item(items[j].session, i, rows.pos0[j],
-                                                x[r], q[r], k[r], v[r])
-                except Exception as exc:
-                    results[j] = exc
-                    failed.append(j)
-            if failed:
-                keep = rows.drop(failed)
-                x, attn, cos, sin = x[keep], attn[keep], cos[keep], sin[keep]
-                if not rows.live:
-                    return results
-            x = x + lay.wo.matmul(attn)                               # h = x + attention(norm(x))
-            x = x + lay.ffn(rms_norm(x, lay.ffn_norm, c.norm_eps))    # x = h + ffn(norm(h))
-        for j in list(rows.live):
-            try:
-                items[j].session.advance(items[j].ids)
-            except Exception as exc:
-                results[j] = exc
-        return self._batch_outputs(items, rows, x, results)
-
-    def _forward_one(self, items, j: int, results: list) -> list:
-        item = items[j]
-        try:
-            results[j] = self.forward_chunk(item.session, item.ids, all_logits=item.all_logits,
-                                            hidden=item.hidden, output=item.output)
-        except Exception as exc:
-            results[j] = exc
-        return results
-
-    def _attend_item(self, session, layer: int, pos0: int, x, q, k, v) -> np.ndarray:
-        """One item's share of a layer: store its K/V rows, attend over its own context;
-        (T, dim) float32, as in `forward_chunk`."""
-        c, T = self.config, x.shape[0]
-        q = q.reshape(T, c.n_kv_heads, c.group, c.head_dim)
-        return session.store_attend(layer, pos0, x, k, v, q).reshape(T, -1)
-
-    def _batch_outputs(self, items, rows: Rows, x: np.ndarray, results: list) -> list:
-        """Output head over the wanted rows of every item still without a result."""
-        c, w = self.config, self.weights
-        wanted = [(j, r) for j, r in rows.output_rows(items) if results[j] is None]
-        if not wanted:
-            return results
-        h = rms_norm(x[np.concatenate([r for _, r in wanted])], w.output_norm, c.norm_eps)
-        logit_rows = np.concatenate([np.full(len(r), not items[j].hidden) for j, r in wanted])
-        logits = w.output.matmul(h[logit_rows]) if logit_rows.any() else None
-        a = b = 0  # a: row in h, b: row in logits
-        for j, r in wanted:
-            if items[j].hidden:
-                results[j] = h[a:a + len(r)].copy()  # its own array: holds no other's rows
-            else:
-                results[j] = logits[b:b + len(r)].copy()
-                b += len(r)
-            a += len(r)
-        return results
-
+        that item alone returns (bitwise), or the exception that item raised
+        (`batch.batched_forward`)."""
+        return batched_forward(self, items)
