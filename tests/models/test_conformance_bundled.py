@@ -101,22 +101,33 @@ def test_validate_small(model, tmp_path):
 def test_validate_detects_one_changed_bit(model, tmp_path, monkeypatch, compare):
     """Both modes pass on the real engine, and fail at the right position when the budgeted
     session's result differs in one bit of one row of a middle chunk (hidden states in "hidden"
-    mode, logits in "logits" mode: whatever that mode compares)."""
+    mode, logits in "logits" mode: whatever that mode compares).
+
+    One run per mode: the changed chunk is checked equal to the full session's before its bit
+    is changed, and every other position and the continuation are the report's (a second run
+    without the change would compare the same numbers again)."""
     kw = dict(tokens=300, kv_budget="1MiB", continuation=4, chunk_tokens=128, cache_dir=tmp_path,
               progress=False, compare=compare)
-    assert run_validation(model, **kw).passed
     forward = model.net.forward_chunk
+    full_rows, changed = [], []
 
     def one_bit_off(session, ids, **opts):
         out = forward(session, ids, **opts)
-        if session.budget is not None and session.n_tokens == 256:  # after the second chunk
-            out[5, 3] = np.nextafter(out[5, 3], np.float32(np.inf))
+        if session.n_tokens == 256:  # after the second chunk: the full session runs first
+            if session.budget is None:
+                full_rows.append(out.copy())
+            else:
+                assert np.array_equal(out, full_rows[-1])  # the real engine passes here too
+                out[5, 3] = np.nextafter(out[5, 3], np.float32(np.inf))
+                changed.append((5, 3))  # the entry whose bit changed
         return out
 
     monkeypatch.setattr(model.net, "forward_chunk", one_bit_off)
     report = run_validation(model, **kw)
+    assert len(full_rows) == len(changed) == 1
     assert not report.passed and report.first_mismatch == 128 + 5
     assert report.positions_equal == 299
+    assert report.continuation_equal and len(report.tokens_full) == 4  # passed but for the bit
 
 
 def test_greedy_generation_is_deterministic_run_to_run(model, tmp_path):

@@ -46,7 +46,11 @@ def served(bundled_model_path, tmp_path_factory):
     """`cfr-atlas serve` as its own process, up until the module ends."""
     port = _free_port()
     log = tmp_path_factory.mktemp("serve_log") / "serve.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    # one numba thread: `make test`'s other worker keeps the second core busy, and a decode
+    # step's parallel kernels (a few hundred per token, each microseconds long) would each wait
+    # for a thread the OS has descheduled; outputs do not depend on the thread count
+    # (tests/quant/test_quant_invariance.py, tests/atlas/test_exactness.py)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "NUMBA_NUM_THREADS": "1"}
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "cfr_atlas.cli", "serve", "--port",
                                  str(port), "--model", str(bundled_model_path), "--name", NAME,
