@@ -230,9 +230,13 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state):
                 bad[h, i] = 1
 
 
+def _walk_items(n_tok, n_head, n_pg, lo, split):
+    """Work items of a walk of n_pg pages from lo: (head, partition, query)."""
+    return n_head * ((lo + n_pg - 1) // split - lo // split + 1) * n_tok
+
+
 def _n_items(q, walk, span):
-    n_pg, lo, split = walk[0].shape[1], span[0], span[2]
-    return walk[0].shape[0] * ((lo + n_pg - 1) // split - lo // split + 1) * q.shape[0]
+    return _walk_items(q.shape[0], walk[0].shape[0], walk[0].shape[1], span[0], span[2])
 
 
 @njit(cache=True, nogil=True)
@@ -253,6 +257,16 @@ def _fold_parallel(q, qpos, slabs, walk, span, score, state, n_items):
 PARALLEL_MIN_PAIRS = 1 << 13
 
 
+def _fold_in_parallel(n_tok, n_grp, n_walk, page_tokens) -> bool:
+    """Whether a fold of n_walk pages runs the parallel kernel (query heads x keys)."""
+    return n_tok * n_grp * n_walk * page_tokens >= PARALLEL_MIN_PAIRS
+
+
+def _merge_in_parallel(state_shape) -> bool:
+    """Whether a merge of partition states acc (T, H, NPART, G, Dv) runs the parallel kernel."""
+    return math.prod(state_shape) >= PARALLEL_MIN_PAIRS
+
+
 def fold_pages(q, qpos, slabs, walk, span, score, state):
     """Absorb pages a..b of a walk into the partition states.
 
@@ -267,9 +281,8 @@ def fold_pages(q, qpos, slabs, walk, span, score, state):
     state = (m, l: (T, H, NPART, G) f64, acc: (T, H, NPART, G, Dv) f64), updated in place;
     Dv = D, or with V slabs of width 0 the first Dv rows of each K^T page are its V.
     """
-    a, b = span[3], span[4]
-    pairs = q.shape[0] * q.shape[2] * (b - a) * slabs[0].shape[2]
-    kernel = _fold_parallel if pairs >= PARALLEL_MIN_PAIRS else _fold_serial
+    parallel = _fold_in_parallel(q.shape[0], q.shape[2], span[4] - span[3], slabs[0].shape[2])
+    kernel = _fold_parallel if parallel else _fold_serial
     kernel(q, qpos, slabs, walk, span, score, state, _n_items(q, walk, span))
 
 
@@ -326,37 +339,46 @@ def merge_partitions(m, l, acc, sinks, out):
 
     sinks: (H, G) f32 sink logits, NaN where a head has none.
     """
-    big = m.shape[0] * m.shape[1] * m.shape[2] * m.shape[3] * acc.shape[4] >= PARALLEL_MIN_PAIRS
-    (_merge_parallel if big else _merge_serial)(m, l, acc, sinks, out)
+    (_merge_parallel if _merge_in_parallel(acc.shape) else _merge_serial)(m, l, acc, sinks, out)
+
+
+def fold_hot(q, qpos, slabs, slot, span, score, sinks, out):
+    """An all-hot walk in one compiled call: `fold_pages` over every page of `slot` (H, NP)
+    read from the hot slab (src SRC_HOT), then `merge_partitions` into out (T, H, G, Dv) f32.
+    span = (lo, context, split); score as `fold_pages`. The serial / parallel kernels are
+    chosen here by those two functions' rules, so the result is bitwise theirs (the decode
+    path of `Atlas.write_attend`: no Python per layer between the K/V write and the attention
+    output)."""
+    n_tok, n_head, n_grp, _ = q.shape
+    n_pg = slot.shape[1]
+    lo, _, split = span
+    n_part = (lo + n_pg + split - 1) // split
+    plan = (_walk_items(n_tok, n_head, n_pg, lo, split),
+            _fold_in_parallel(n_tok, n_grp, n_head * n_pg, slabs[0].shape[2]),
+            _merge_in_parallel((n_tok, n_head, n_part, n_grp, out.shape[3])))
+    _fold_hot(q, qpos, slabs, slot, span, score, sinks, out, plan)
 
 
 @njit(cache=True, nogil=True)
-def fold_hot(q, qpos, slabs, slot, span, score, sinks, out):
-    """An all-hot walk in one call: `fold_pages` over every page of `slot` (H, NP) read from the
-    hot slab (src SRC_HOT), then `merge_partitions` into out (T, H, G, Dv) f32. span = (lo,
-    context, split); score as `fold_pages`. The partition states are allocated here and the
-    serial / parallel kernels are chosen by the same rules as those two functions, so the
-    result is bitwise theirs (the decode path of `Atlas.write_attend`: no Python per layer
-    between the K/V write and the attention output)."""
+def _fold_hot(q, qpos, slabs, slot, span, score, sinks, out, plan):
+    """`fold_hot`'s kernel: the partition states allocated, then the planned kernels."""
     n_tok, n_head, n_grp, _ = q.shape
     n_pg = slot.shape[1]
     lo, context, split = span
+    items, fold_parallel, merge_parallel = plan
     n_part = (lo + n_pg + split - 1) // split
-    dv = out.shape[3]
     m = np.full((n_tok, n_head, n_part, n_grp), -np.inf, dtype=np.float64)
     l = np.zeros((n_tok, n_head, n_part, n_grp), dtype=np.float64)
-    acc = np.zeros((n_tok, n_head, n_part, n_grp, dv), dtype=np.float64)
+    acc = np.zeros((n_tok, n_head, n_part, n_grp, out.shape[3]), dtype=np.float64)
     src = np.zeros((n_head, n_pg), dtype=np.int64)  # SRC_HOT
     walk = (src, slot, np.zeros((n_head, n_pg), dtype=np.uint32),
             np.zeros((n_head, n_pg), dtype=np.uint8))
-    b = n_head * n_pg
-    full = (lo, context, split, 0, b)
-    items = n_head * ((lo + n_pg - 1) // split - lo // split + 1) * n_tok
-    if n_tok * n_grp * b * slabs[0].shape[2] >= PARALLEL_MIN_PAIRS:
+    full = (lo, context, split, 0, n_head * n_pg)
+    if fold_parallel:
         _fold_parallel(q, qpos, slabs, walk, full, score, (m, l, acc), items)
     else:
         _fold_serial(q, qpos, slabs, walk, full, score, (m, l, acc), items)
-    if n_tok * n_head * n_part * n_grp * dv >= PARALLEL_MIN_PAIRS:
+    if merge_parallel:
         _merge_parallel(m, l, acc, sinks, out)
     else:
         _merge_serial(m, l, acc, sinks, out)

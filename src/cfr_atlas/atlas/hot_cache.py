@@ -375,23 +375,9 @@ class HotCache:
                v_st: np.ndarray, tick: int) -> bool:
         """The decode fast path: rows (T, H, D) of tokens start.. for `heads` when every head's
         page is resident, holds exactly the rows before `start` and has room for T more; then
-        all heads grow in one vectorized write (what `grow` does head by head). Else False."""
-        P, T = self.page_tokens, k_st.shape[0]
-        page, off = divmod(start, P)
-        lay = self.layers.get(layer)
-        if lay is None or off + T > P or off == 0 or max(heads) >= lay.slot.shape[0] \
-                or page >= lay.slot.shape[1]:
-            return False
-        hidx = np.asarray(heads, dtype=np.int64)
-        slots = lay.slot[hidx, page]
-        if (slots < 0).any() or (lay.tokens[hidx, page] != off).any():
-            return False
-        self.k[slots, :, off:off + T] = k_st.transpose(1, 2, 0)
-        self.v[slots, off:off + T] = v_st.transpose(1, 0, 2)
-        lay.tokens[hidx, page] += T
-        lay.last_use[hidx, page] = tick
-        self._account(lay, T * len(heads) * self.row_bytes, 0)
-        return True
+        all heads grow in one compiled write (what `grow` does head by head). Else False."""
+        return self._append(layer, np.asarray(heads, dtype=np.int64), start, k_st, v_st,
+                            start // self.page_tokens, (tick, tick)) is not None
 
     def append_walk(self, layer: int, start: int, k_st: np.ndarray, v_st: np.ndarray,
                     lo: int, ticks: tuple[int, int] | None) -> np.ndarray | None:
@@ -401,21 +387,26 @@ class HotCache:
         ticks[1], as a fold's `touch` would) and return the walk's slots (H, NP). Else change
         nothing and return None (the caller takes the general path). ticks None: only look
         (the slots are returned, nothing is written)."""
+        return self._append(layer, np.arange(k_st.shape[1], dtype=np.int64), start, k_st, v_st,
+                            lo, ticks)
+
+    def _append(self, layer, heads, start, k_st, v_st, lo, ticks) -> np.ndarray | None:
+        """`append` / `append_walk` for table rows `heads`: the walk's slots, or None."""
         lay = self.layers.get(layer)
         if lay is None:
             return None
-        T, H = k_st.shape[0], k_st.shape[1]
+        T = k_st.shape[0]
         n_pages = -(-(start + T) // self.page_tokens)
-        if not (0 <= lo < n_pages <= lay.slot.shape[1] and H <= lay.slot.shape[0]):
+        if not (0 <= lo < n_pages <= lay.slot.shape[1] and heads.max() < lay.slot.shape[0]):
             return None
-        slots = np.empty((H, n_pages - lo), dtype=np.int64)
+        slots = np.empty((len(heads), n_pages - lo), dtype=np.int64)
         write = ticks is not None
         tick_w, tick_a = ticks if write else (0, 0)
-        if not _append_walk(lay.slot, lay.tokens, lay.last_use, self.k, self.v, start, k_st,
-                            v_st, lo, tick_w, tick_a, slots, write):
+        if not _append_walk(lay.slot, lay.tokens, lay.last_use, self.k, self.v, heads, start,
+                            k_st, v_st, lo, tick_w, tick_a, slots, write):
             return None
         if write:
-            self._account(lay, T * H * self.row_bytes, 0)
+            self._account(lay, T * len(heads) * self.row_bytes, 0)
         return slots
 
     def forget_before(self, layer: int, token: int) -> int:
@@ -451,37 +442,37 @@ class HotCache:
 
 
 @njit(cache=True, nogil=True)
-def _append_walk(slot, tokens, last_use, k, v, start, k_st, v_st, lo, tick_w, tick_a, out,
-                 write):
-    """`HotCache.append_walk`'s check and writes: True and out (H, NP) filled when the append
-    applies to heads 0..H-1 and pages lo.. are all then resident and whole (and, if `write`,
-    done); False with nothing written otherwise."""
-    n_t, n_h = k_st.shape[0], k_st.shape[1]
+def _append_walk(slot, tokens, last_use, k, v, heads, start, k_st, v_st, lo, tick_w, tick_a,
+                 out, write):
+    """`HotCache._append`'s check and writes for table rows `heads` (row i of k_st, v_st is
+    head heads[i]): True and out (H, NP) filled when the rows grow each head's resident page
+    in place and pages lo.. of those heads are all then resident and whole (and, if `write`,
+    done: rows written at tick_w, pages lo.. marked at tick_a); False, nothing written,
+    otherwise."""
+    n_t = k_st.shape[0]
     page_tokens = v.shape[1]
     page, off = divmod(start, page_tokens)
     if off == 0 or off + n_t > page_tokens or page - lo + 1 != out.shape[1]:
         return False
-    for h in range(n_h):
+    for h in heads:
         if slot[h, page] < 0 or tokens[h, page] != off:
             return False
         for p in range(lo, page):
             if slot[h, p] < 0 or tokens[h, p] != page_tokens:
                 return False
-    if not write:
-        for h in range(n_h):
-            for p in range(lo, page + 1):
-                out[h, p - lo] = slot[h, p]
-        return True
-    for h in range(n_h):  # what `append` writes: K^T columns, V rows, rows held, recency
-        s = slot[h, page]
+    for i, h in enumerate(heads):
+        for p in range(lo, page + 1):
+            out[i, p - lo] = slot[h, p]
+        if not write:
+            continue
+        s = slot[h, page]  # what `grow` writes: K^T columns, V rows, rows held, recency
         for t in range(n_t):
             for e in range(k.shape[1]):
-                k[s, e, off + t] = k_st[t, h, e]
+                k[s, e, off + t] = k_st[t, i, e]
             for e in range(v.shape[2]):
-                v[s, off + t, e] = v_st[t, h, e]
+                v[s, off + t, e] = v_st[t, i, e]
         tokens[h, page] = off + n_t
         last_use[h, page] = tick_w
         for p in range(lo, page + 1):  # what the fold's `touch` then marks
             last_use[h, p] = tick_a
-            out[h, p - lo] = slot[h, p]
     return True

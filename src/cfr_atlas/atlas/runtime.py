@@ -34,7 +34,7 @@ from cfr_atlas.atlas.storage import (
     format_of,
     round_rows,
     stage_f32,
-    stored_state,
+    storable,
     widen,
 )
 from cfr_atlas.atlas.telemetry import Counters, Telemetry
@@ -325,8 +325,7 @@ class Atlas:
                     cfg.stored_value_dim,) and k_rows.flags.c_contiguous \
                 and v_rows.flags.c_contiguous:  # the common case: two compiled checks
             k_st, v_st = round_rows(k_rows, cfg.dtype), round_rows(v_rows, cfg.dtype)
-            if not (stored_state(k_rows, k_st, self._fmt) or stored_state(v_rows, v_st,
-                                                                            self._fmt)):
+            if storable(k_rows, k_st, self._fmt) and storable(v_rows, v_st, self._fmt):
                 return k_st, v_st
         out = []  # the checks one by one, which say what is wrong
         for name, rows, width in (("k_rows", k_rows, cfg.head_dim),
@@ -463,12 +462,7 @@ class Atlas:
         c.fold_seconds = time.perf_counter() - t0
         c.hot_hits = c.pages_folded = n_head * n_pg
         c.tokens_consumed = (context - lo * cfg.page_tokens) * n_head
-        total = self._total  # what _total.add(c) adds: c's other counters are 0
-        total.calls += 1
-        total.hot_hits += c.hot_hits
-        total.pages_folded += c.pages_folded
-        total.tokens_consumed += c.tokens_consumed
-        total.fold_seconds += c.fold_seconds
+        self._total.add(c)
         return out
 
     def _check_query(self, query, n_head: int) -> np.ndarray:

@@ -206,15 +206,12 @@ def _overflowed_ov(stored, fmt):
 
 
 @njit(cache=True, nogil=True)
-def stored_state(rows, stored, fmt) -> int:
+def storable(rows, stored, fmt) -> bool:
     """rows (float32, C-contiguous) and the same rows rounded to a storage format (`stored`,
-    its array dtype): 0 when every row is finite and still finite once stored, 1 when a row is
-    not finite, 2 when a finite row overflowed the format. Integer OR-reductions over the bits
-    (they vectorize)."""
+    its array dtype): whether every row is finite and still finite once stored. Integer
+    OR-reductions over the bits (they vectorize); the caller's own checks say what is wrong."""
     bits, exp = rows.ravel().view(np.uint32), np.uint32(0x7F800000)
     bad = np.uint32(0)
     for i in range(bits.size):
         bad |= np.uint32((bits[i] & exp) == exp)
-    if bad:
-        return 1
-    return 2 if _overflowed(stored, fmt) else 0
+    return bad == 0 and not _overflowed(stored, fmt)

@@ -204,7 +204,6 @@ class Session:
         self.n_tokens = 0
         self.token_ids: list[int] = []
         self.cached_tokens = 0
-        self._heads = list(range(c.n_kv_heads))
         # sliding-window layers: {layer: window}; their pages before the window are dropped
         self._windows = {i: w for i in range(c.n_layers) if (w := c.window(i)) is not None}
         # prefix reuse: a PrefixCache for this page size and dtype, when the model has one
@@ -275,28 +274,17 @@ class Session:
     def _page_rows(self, layer: int, head: int, start: int, n: int):
         return self.atlas.page_rows(self.backend, PageKey(layer, head, start), n)
 
-    def store_kv(self, layer: int, pos0: int, x: np.ndarray, k: np.ndarray, v: np.ndarray):
-        """Rows k, v (T, n_kv, hd) f32 of tokens pos0.. : the regenerator's copy first (so a full
-        disk fails before the hot cache changes), then the hot cache as the policy allows."""
-        k_st, v_st = self.atlas.stored_rows(pos0, k, v)  # checked and rounded once, for both
-        self.backend.record(layer, pos0, x, k_st, v_st)
-        self.atlas.write_stored(layer, pos0, k_st, v_st, self.policy)
-
     def store_attend(self, layer: int, pos0: int, x: np.ndarray, k: np.ndarray, v: np.ndarray,
                      q: np.ndarray, **score) -> np.ndarray:
-        """`store_kv` of rows k, v (T, n_kv, hd) of tokens pos0.., then `attend` of q (T, n_kv,
-        group, hd) over the context they end, in one call (`Atlas.write_attend`: a decode step
-        whose pages are all hot is one compiled walk). Same rows, result and state as the two
-        calls."""
+        """Rows k, v (T, n_kv, hd) f32 of tokens pos0.. stored, then q (T, n_kv, group, hd)
+        attended over the context they end -> (T, n_kv, group, hd). The rows are checked and
+        rounded once; the regenerator's copy comes first (so a full disk fails before the hot
+        cache changes), then `Atlas.write_attend` writes the hot cache as the policy allows
+        and attends (a decode step whose pages are all hot is one compiled walk). `score`: the
+        Atlas's scale / softcap / window options (a window reads only its pages)."""
         k_st, v_st = self.atlas.stored_rows(pos0, k, v)
         self.backend.record(layer, pos0, x, k_st, v_st)
         return self.atlas.write_attend(self.backend, layer, pos0, k_st, v_st, q, self.policy,
-                                       **score)
-
-    def attend(self, layer: int, q: np.ndarray, context: int, **score) -> np.ndarray:
-        """q (T, n_kv, group, hd) -> (T, n_kv, group, hd) over the causal context; `score`:
-        the Atlas's scale / softcap / window options (a window reads only its pages)."""
-        return self.atlas.attend_heads(self.backend, layer, self._heads, q, context, self.policy,
                                        **score)
 
     # --- memory ------------------------------------------------------------------------------
