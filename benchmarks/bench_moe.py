@@ -2,8 +2,8 @@
 slot prefetcher off and on.
 
     PYTHONPATH=src python benchmarks/bench_moe.py [--layers 16 --experts 32 --dim 512
-        --ff 1408 --top-k 4 --qtype Q4_0 --skew 1 --residual-scale 0.01] [--quick]
-        [--json rows.json] [--plot moe.png]
+        --ff 1408 --top-k 4 --qtype Q4_0 --skew 1 --residual-scale 0.01] [--matmul int8]
+        [--quick] [--json rows.json] [--plot moe.png]
 
 Writes a qwen3moe GGUF of a realistic shape into a temporary folder (expert matrices drawn
 directly as random Q4_0/Q8_0 blocks; attention, router and embedding from tiny_moe). How the
@@ -76,6 +76,9 @@ def _args(argv):
                    help="eviction policy; pinned: the most-routed experts of a profile measured "
                         "on other text (--profile-tokens of the validation text, all resident)")
     p.add_argument("--profile-tokens", type=int, default=256)
+    p.add_argument("--matmul", default="float", choices=["float", "int8"],
+                   help="the matmul arithmetic (load_model's matmul): int8 slots keep Q4_0's "
+                        "nibbles packed, so an expert load is a copy")
     p.add_argument("--load-path", action="store_true",
                    help="only the expert-load table (codec vs one-pass repack, cold and warm)")
     p.add_argument("--quick", action="store_true", help="a tiny model, a few tokens (tests)")
@@ -295,7 +298,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
         path = _write(a, Path(tmp))
         first = {**sequential_read(path), "loadavg": os.getloadavg()[0]}
-        model = load_model(path)
+        model = load_model(path, matmul=a.matmul)
         ids = model.tokenize(TEXT * (1 + a.prompt_tokens // 20))[:a.prompt_tokens]
         if a.load_path:
             print(_load_table(_load_path(model, path, a)))

@@ -50,26 +50,78 @@ def test_half_to_float_bits_equal_numpy_for_every_half():
                                    dtype=np.uint32), ref)
 
 
+@pytest.mark.parametrize("arithmetic", ["float", "int8"])
 @pytest.mark.parametrize("qtype,module", [(QType.Q4_0, q4_0), (QType.Q8_0, q8_0)])
-@pytest.mark.parametrize("rows", [TILE_ROWS + 3, 2 * TILE_ROWS, 5])
-def test_one_pass_repack_equals_the_codec_repack(qtype, module, rows):
+@pytest.mark.parametrize("rows", [TILE_ROWS + 3, 2 * TILE_ROWS, 5, 3 * TILE_ROWS - 1])
+def test_one_pass_repack_equals_the_codec_repack(arithmetic, qtype, module, rows):
     rng = np.random.default_rng(rows)
     cols = 96
     gate, up = random_blocks(rng, (2, rows, cols), qtype.name)
     gate[0, :2] = [0x01, 0x00]  # a subnormal scale
     up[-1, :2] = [0x00, 0x7E]  # a NaN scale with a payload
-    want = module.repack(np.concatenate([gate, up]))
-    q = np.full(want.q.shape, 0x55, dtype=np.int8)  # the slot's previous expert: garbage
-    a = np.full(want.a.shape, np.nan, dtype=np.float32)
-    KERNELS[qtype]([gate.reshape(-1), up.reshape(-1)], qtype, cols, q, a)
-    assert np.array_equal(q, want.q)
-    assert np.array_equal(a.view(np.uint32), want.a.view(np.uint32))
+    if qtype is QType.Q4_0:  # every nibble value in both halves of a byte, in every column
+        gate[:, 2:18] = (np.arange(rows * 16).reshape(rows, 16) * 7 % 256).astype(np.uint8)
+    repack = module.repack if arithmetic == "float" else module.int_repack
+    want = repack(np.concatenate([gate, up]))
+    got = type(want)(*[np.full(x.nbytes, 0x55, dtype=np.uint8).view(x.dtype).reshape(x.shape)
+                       for x in want])  # garbage: the slot's previous expert
+    fits, one_pass = KERNELS[arithmetic, qtype]
+    assert fits(want)
+    one_pass([gate.reshape(-1), up.reshape(-1)], qtype, cols, got)
+    for x, y in zip(got, want, strict=True):
+        assert x.dtype == y.dtype and np.array_equal(x.view(np.uint8), y.view(np.uint8))
 
 
-def test_store_fills_q8_0_experts_in_one_pass_and_int8_through_the_codec(model, moe_file):
+def test_one_pass_repack_refuses_tiles_of_another_shape():
+    gate = random_blocks(np.random.default_rng(0), (1, 40, 64), "Q4_0")[0]
+    want = q4_0.repack(gate)
+    with pytest.raises(ValueError, match="do not fit"):
+        KERNELS["float", QType.Q4_0][1]([gate.reshape(-1)], QType.Q4_0, 96, want)
+    with pytest.raises(ValueError, match="not whole"):
+        KERNELS["float", QType.Q4_0][1]([gate.reshape(-1)[:-1]], QType.Q4_0, 64, want)
+
+
+def test_store_fills_q8_0_experts_in_one_pass_with_either_arithmetic(model, moe_file):
     assert all(all(lay.one_pass) for lay in model.net.experts.layouts)
     other = load_model(moe_file("qwen2moe"), matmul="int8")
-    assert not any(any(lay.one_pass) for lay in other.net.experts.layouts)
+    assert all(all(lay.one_pass) for lay in other.net.experts.layouts)
+
+
+def test_a_step_asks_the_kernel_for_every_expert_it_loads_before_writing_one(model,
+                                                                            monkeypatch):
+    store = model.net.set_experts(2 * model.net.experts.slot_bytes)
+    store.use_prefetch(False)
+    events = []
+    monkeypatch.setattr(store.source, "advise", lambda layer, e: events.append(("ask", layer, e)))
+    write = store.write
+    monkeypatch.setattr(store, "write", lambda key, slot: (events.append(("write", *key)),
+                                                           write(key, slot))[1])
+    list(store.experts(0, [1]))
+    assert events == [("ask", 0, 1), ("write", 0, 1)]
+    events.clear()
+    assert [e for e, *_ in store.experts(1, [5, 2, 7])] == [2, 5, 7]  # 3 experts, 2 slots: turns
+    assert events == [("ask", 1, 2), ("ask", 1, 5), ("ask", 1, 7),
+                      ("write", 1, 2), ("write", 1, 5), ("write", 1, 7)]
+    events.clear()
+    list(store.experts(1, [7]))  # resident: nothing to read
+    assert events == []
+    model.net.set_experts(None)
+
+
+def test_advice_skips_an_expert_whose_bytes_are_cached(model, monkeypatch):
+    from cfr_atlas.experts import source as source_mod
+
+    src = model.net.experts.source
+    calls = []
+    monkeypatch.setattr(source_mod.os, "posix_fadvise", lambda fd, off, n, how: calls.append(
+        (off, n, how)))
+    monkeypatch.setattr(source_mod, "cached", lambda address: True)
+    src.advise(1, 3)
+    assert calls == []
+    monkeypatch.setattr(source_mod, "cached", lambda address: False)
+    src.advise(1, 3)
+    assert calls == [(*m.byte_range(3), source_mod.os.POSIX_FADV_WILLNEED)
+                     for m in src.layers[1]]
 
 
 def test_prefetcher_never_takes_a_leased_slot(model):

@@ -171,7 +171,7 @@ def test_close_joins_the_reader(tmp_path):
 def pulls(monkeypatch):
     """Every (address, length, advice) the pull threads hand to madvise, then the real call."""
     calls: list[tuple[int, int, int]] = []
-    real = pf._MADVISE
+    real = pf.MADVISE
 
     def record(address, length, advice):
         calls.append((address, length, advice))
@@ -179,7 +179,7 @@ def pulls(monkeypatch):
 
     if real is None:
         pytest.skip("no libc madvise here")
-    monkeypatch.setattr(pf, "_MADVISE", record)
+    monkeypatch.setattr(pf, "MADVISE", record)
     return calls
 
 
@@ -237,7 +237,7 @@ def test_a_kernel_without_populate_read_leaves_dense_layers_to_the_faults(spill,
         ctypes.set_errno(errno.EINVAL)
         return -1
 
-    monkeypatch.setattr(pf, "_MADVISE", refuse)
+    monkeypatch.setattr(pf, "MADVISE", refuse)
     lens, dense = np.full(10, P), np.ones((H, 10), bool)
     spill.evict_page_cache()
     spill.map_pages(0, np.arange(H), 0, lens, dense)  # returns: the wait is released

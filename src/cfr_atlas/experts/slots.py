@@ -5,10 +5,11 @@ A `Layout` is measured once per layer format signature on expert 0 (every expert
 has one shape and format): per matrix (gate|up, down) the offset, dtype and shape of each tile
 array, 64-byte aligned, and a template QuantWeight (name aside, what every expert's weight over
 its slot views looks like). `write(row, ...)` fills a slot row with one expert and returns its
-(gate_up, down) weights as views of the row. A matrix whose format has a one-pass kernel
-(repack.KERNELS) is filled straight from the mapped GGUF bytes; any other through its codec's
-repack and a copy. The one-pass fill is used only if it wrote, for expert 0, the very bytes the
-codec's repack gives (checked here at build time; a mismatch is a warning and the codec path).
+(gate_up, down) weights as views of the row. A matrix whose (arithmetic, format) has a
+one-pass kernel (repack.KERNELS) is filled straight from the mapped GGUF bytes; any other
+through its codec's repack and a copy. The one-pass fill is used only if it wrote, for
+expert 0, the very bytes the codec's repack gives (checked here at build time; a mismatch is
+a warning and the codec path).
 Not here: which slot holds what (store.py), reading ahead (prefetch.py).
 """
 
@@ -22,8 +23,7 @@ import numpy as np
 from cfr_atlas.experts.repack import KERNELS
 from cfr_atlas.experts.source import ExpertSource
 from cfr_atlas.quant import QuantWeight
-from cfr_atlas.quant.subblock import Tiles
-from cfr_atlas.quant.weight import CODECS
+from cfr_atlas.quant.weight import ARITHMETIC
 
 ALIGN = 64  # bytes; every tile array in a slot starts on a cache line
 
@@ -81,8 +81,9 @@ def _measure(source: ExpertSource, layer: int) -> Layout:
 
 
 def _one_pass_fits(w: QuantWeight, arithmetic: str) -> bool:
-    return (arithmetic == "float" and w.qtype in KERNELS and w.codec is CODECS[w.qtype]
-            and isinstance(w.tiles, Tiles) and w.tiles.c.size == 0)
+    kernel = KERNELS.get((arithmetic, w.qtype))
+    return (kernel is not None and w.codec is ARITHMETIC[arithmetic][w.qtype]
+            and kernel[0](w.tiles))
 
 
 def _same(a: QuantWeight, b: QuantWeight) -> bool:
@@ -114,8 +115,8 @@ def write(row: np.ndarray, source: ExpertSource, layer: int, e: int,
     gate, up, down = source.layers[layer]
     for i, (w, mats) in enumerate(zip(out, ((gate, up), (down,)), strict=True)):
         if layout.one_pass[i]:
-            KERNELS[w.qtype]([m.block_bytes(e) for m in mats], w.qtype, w.shape[1],
-                             w.tiles.q, w.tiles.a)
+            KERNELS[source.arithmetic, w.qtype][1]([m.block_bytes(e) for m in mats], w.qtype,
+                                                   w.shape[1], w.tiles)
             continue
         built = built or source.build(layer, e)
         for dst, src in zip(w.tiles, built[i].tiles, strict=True):

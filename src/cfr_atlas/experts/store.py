@@ -10,7 +10,9 @@ Invariants:
     then are slots written; the slots the plan uses are reserved until the step ends, so the
     prefetcher never takes them. When the experts do not all fit, they run in turns of at most
     n_slots experts; results never depend on the turns (each token's expert outputs are summed
-    in rank order by the caller after all turns).
+    in rank order by the caller after all turns). Once planned, the kernel is asked to read
+    every expert the step will load whose bytes are not cached (`ExpertSource.advise`), so a
+    cold step's reads are in flight together while the first loads are repacked.
   * The policy picks victims among unleased slots; it changes speed, never results. So does the
     prefetcher (prefetch.py): it only moves a load earlier, into a slot nobody uses.
   * `lock` (a Condition) guards the slot tables, leases and counters; slot bytes are written
@@ -173,6 +175,9 @@ class ExpertStore:
                 self.reserved = frozenset(self._plan_slots(layer, turns))
                 self._count_prediction(layer, turns)
                 self.telemetry.extra_turns += len(turns) - 1
+            for turn in turns:  # every load of the step read at once: the disk sees them all
+                for key, _ in turn.loads:
+                    self.source.advise(*key)
             if ahead is not None and self.prefetcher is not None:
                 self.prefetcher.request(layer + 1, ahead)
             try:

@@ -60,6 +60,7 @@ from cfr_atlas.atlas.storage import StorageDtype, round_rows, widen
 from cfr_atlas.errors import CapacityError, CorruptPageError
 from cfr_atlas.kv.block_dir import FILE_MODE, FOLDER_MODE
 from cfr_atlas.kv.file_lock import hold_lock, remove_if_abandoned
+from cfr_atlas.os_pages import MADV_POPULATE_READ, MADVISE, cached
 
 MAGIC, VERSION = b"CFRKVPG3", 3
 _FILE_HDR = struct.Struct("<8sIIIIIIII16s16s")
@@ -148,25 +149,6 @@ class _Reader:
         self._thread.join()
 
 
-MADV_POPULATE_READ = 22  # Linux >= 5.14: fault a range of the mapping in, reading it
-
-
-def _libc(name: str, argtypes: list):
-    """libc's function `name` (returning int, errno kept), or None where it cannot be had."""
-    try:
-        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = argtypes
-    fn.restype = ctypes.c_int
-    return fn
-
-
-# madvise(addr, length, advice): Python's `mmap.madvise` holds the GIL while the kernel reads;
-# a ctypes call releases it
-_MADVISE = _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
-
-
 class _Puller:
     """Threads that read a dense layer's pages into memory before its fold needs them: one
     per slab (K, V), each walking its slab's ranges layer by layer in file order with
@@ -214,7 +196,7 @@ class _Puller:
                 if self._stopping or not self.supported:
                     break
                 a = address - address % mmap.PAGESIZE
-                if _MADVISE(a, length + address - a, MADV_POPULATE_READ) != 0:
+                if MADVISE(a, length + address - a, MADV_POPULATE_READ) != 0:
                     if ctypes.get_errno() == errno.EINVAL:
                         self.supported = False  # an older kernel: the faults read
                     break  # e.g. EFAULT: the fold's own checks report a damaged file
@@ -227,21 +209,6 @@ class _Puller:
             q.put(None)
         for t in self._threads:
             t.join()
-
-
-_MINCORE = _libc("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])  # addr, len, vec
-_VEC = (ctypes.c_ubyte * 1)()
-
-
-def _cached(address: int) -> bool:
-    """Whether the mapped file page holding `address` is in the OS page cache:
-    mincore, which only looks (~1 us). A read with RWF_NOWAIT would also answer, but it
-    starts the kernel's read-ahead (8 MiB here) as a side effect. Without mincore, False (the
-    caller then always hints)."""
-    page = address - address % mmap.PAGESIZE
-    if _MINCORE is None or _MINCORE(page, mmap.PAGESIZE, _VEC) != 0:
-        return False
-    return bool(_VEC[0] & 1)
 
 
 @njit(cache=True, nogil=True)
@@ -392,8 +359,8 @@ class SpillKv:
             # the first store of a decode step reaches a layer before its fold does: a cold
             # page here starts the pulls (the store's fault would read 8 MiB around the
             # page on its own, competing with them)
-            self._pull(layer, lambda: not _cached(self._base + k_off))
-        elif not _cached(self._base + k_off):
+            self._pull(layer, lambda: not cached(self._base + k_off))
+        elif not cached(self._base + k_off):
             _advise(self.fd, [r for s in slots.tolist() for r in self._page_ranges(s, 1)])
 
     def allocations(self) -> dict[str, int]:
@@ -536,7 +503,7 @@ class SpillKv:
         one is under way, else, if `cold()` says the pages are not cached, pull it and the
         cold dense layers after it, then wait for it."""
         puller = self._puller
-        if _MADVISE is None or (puller is not None and not puller.supported):
+        if MADVISE is None or (puller is not None and not puller.supported):
             return  # the kernel's read-around
         if not (puller is not None and puller.pending[layer]):
             if not cold():
@@ -547,7 +514,7 @@ class SpillKv:
     def _cold(self, layer: int) -> bool:
         """Whether `layer`'s oldest needed page (its first range) is not in the page cache."""
         ranges = self._ranges(layer)
-        return bool(ranges) and not _cached(self._base + ranges[0][0])
+        return bool(ranges) and not cached(self._base + ranges[0][0])
 
     def _pull_from(self, layer: int) -> None:
         """Queue `layer` and each later dense layer whose pages are not cached (this token's)

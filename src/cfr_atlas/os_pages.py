@@ -1,0 +1,40 @@
+"""What the OS page cache holds of a mapped file, and asking the kernel to read it: the few
+libc calls (through ctypes, which releases the GIL) that the K/V page file (kv/page_file.py)
+and the expert store (experts/source.py) share. Linux; where a call cannot be had, its name
+is None and `cached` answers False (callers then hint or read as if nothing were cached).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+MADV_POPULATE_READ = 22  # Linux >= 5.14: fault a range of the mapping in, reading it
+
+
+def libc(name: str, argtypes: list):
+    """libc's function `name` (returning int, errno kept), or None where it cannot be had."""
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
+
+
+# madvise(addr, length, advice): Python's `mmap.madvise` holds the GIL while the kernel reads;
+# a ctypes call releases it
+MADVISE = libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
+_MINCORE = libc("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])  # addr, len, vec
+
+
+def cached(address: int) -> bool:
+    """Whether the mapped file page holding `address` is in the OS page cache: mincore, which
+    only looks (~1 us). A read with RWF_NOWAIT would also answer, but it starts the kernel's
+    read-ahead (8 MiB here) as a side effect. Without mincore, False."""
+    page = address - address % mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * 1)()
+    if _MINCORE is None or _MINCORE(page, mmap.PAGESIZE, vec) != 0:
+        return False
+    return bool(vec[0] & 1)
