@@ -72,6 +72,31 @@ def test_one_pass_repack_equals_the_codec_repack(arithmetic, qtype, module, rows
         assert x.dtype == y.dtype and np.array_equal(x.view(np.uint8), y.view(np.uint8))
 
 
+@pytest.mark.parametrize("arithmetic", ["float", "int8"])
+def test_one_pass_repack_bytes_do_not_depend_on_the_thread_count(arithmetic):
+    import numba
+
+    gate = random_blocks(np.random.default_rng(7), (1, 5 * TILE_ROWS + 9, 128), "Q4_0")[0]
+    repack = q4_0.repack if arithmetic == "float" else q4_0.int_repack
+    fits, one_pass = KERNELS[arithmetic, QType.Q4_0]
+    got = []
+    before = numba.get_num_threads()
+    try:
+        for n in (1, numba.config.NUMBA_NUM_THREADS):
+            numba.set_num_threads(n)
+            out = repack(gate)
+            for x in out:
+                x.view(np.uint8)[...] = 0x55
+            one_pass([gate.reshape(-1)], QType.Q4_0, 128, out)
+            got.append(out)
+    finally:
+        numba.set_num_threads(before)
+    assert all(np.array_equal(x.view(np.uint8), y.view(np.uint8))
+               for x, y in zip(*got, strict=True))
+    assert all(np.array_equal(x.view(np.uint8), y.view(np.uint8))
+               for x, y in zip(got[0], repack(gate), strict=True))
+
+
 def test_one_pass_repack_refuses_tiles_of_another_shape():
     gate = random_blocks(np.random.default_rng(0), (1, 40, 64), "Q4_0")[0]
     want = q4_0.repack(gate)
@@ -105,6 +130,21 @@ def test_a_step_asks_the_kernel_for_every_expert_it_loads_before_writing_one(mod
     events.clear()
     list(store.experts(1, [7]))  # resident: nothing to read
     assert events == []
+    model.net.set_experts(None)
+
+
+def test_without_the_prefetcher_predictions_are_read_ahead_not_loaded(model, monkeypatch):
+    store = model.net.set_experts(4 * model.net.experts.slot_bytes)
+    store.use_prefetch(False)
+    list(store.experts(1, [6]))
+    asked = []
+    monkeypatch.setattr(store.source, "advise", lambda layer, e: asked.append((layer, e)))
+    list(store.experts(0, [1], ahead=np.array([2, 6])))
+    assert asked == [(0, 1), (1, 2)]  # the step's load, then layer 1's 2 (6 is resident)
+    assert sorted(k for k in store.key_of if k is not None) == [(0, 1), (1, 6)]
+    assert store.telemetry.prefetched == 0
+    list(store.experts(1, [0], ahead=np.array([3])))  # the last layer: nothing after it
+    assert asked[2:] == [(1, 0)]
     model.net.set_experts(None)
 
 

@@ -12,7 +12,9 @@ Invariants:
     n_slots experts; results never depend on the turns (each token's expert outputs are summed
     in rank order by the caller after all turns). Once planned, the kernel is asked to read
     every expert the step will load whose bytes are not cached (`ExpertSource.advise`), so a
-    cold step's reads are in flight together while the first loads are repacked.
+    cold step's reads are in flight together while the first loads are repacked. The next
+    layer's predicted experts are asked for too (`read_ahead`), so their reads overlap this
+    layer's compute.
   * The policy picks victims among unleased slots; it changes speed, never results. So does the
     prefetcher (prefetch.py): it only moves a load earlier, into a slot nobody uses.
   * `lock` (a Condition) guards the slot tables, leases and counters; slot bytes are written
@@ -165,7 +167,8 @@ class ExpertStore:
     def experts(self, layer: int, experts, ahead=None):
         """Yield (e, gate_up, down) for each distinct expert id in `experts`, each leased while
         the caller computes with it; turns when they do not all fit. `ahead`: the expert ids
-        predicted for layer + 1, handed to the prefetcher once this step's plan is reserved."""
+        predicted for layer + 1, handed to the prefetcher once this step's plan is reserved
+        (without a prefetcher, only their file ranges are asked for: `read_ahead`)."""
         with self.step_lock:
             with self.lock:
                 if self.prefetcher is not None:
@@ -180,6 +183,8 @@ class ExpertStore:
                     self.source.advise(*key)
             if ahead is not None and self.prefetcher is not None:
                 self.prefetcher.request(layer + 1, ahead)
+            elif ahead is not None and layer + 1 < self.n_layers:
+                self.read_ahead(layer + 1, ahead)
             try:
                 for turn in turns:
                     yield from self._run(layer, turn)
@@ -187,6 +192,15 @@ class ExpertStore:
                 with self.lock:
                     self.reserved = frozenset()
                     self.lock.notify_all()
+
+    def read_ahead(self, layer: int, experts) -> None:
+        """Ask the kernel to read the predicted experts of `layer` that are not resident into
+        the page cache (no slot is taken: the prefetcher, when on, loads them too)."""
+        with self.lock:
+            keys = [(layer, int(e)) for e in experts
+                    if 0 <= e < self.n_experts and (layer, int(e)) not in self.slot_of]
+        for key in keys:
+            self.source.advise(*key)
 
     def _run(self, layer: int, turn: Turn):
         loaded = {key for key, _ in turn.loads}

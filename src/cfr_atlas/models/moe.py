@@ -91,8 +91,8 @@ class MoeFfn:
         T, dim = h.shape
         top, w = route(self.router.matmul(h), self.k, self.norm, **self.routing)
         self.store.record_routing(self.layer, top)
-        prefetching = self.next_router is not None and self.store.prefetcher is not None
-        ahead = self._predict(h) if prefetching else None
+        predicting = self.next_router is not None and self.store.bounded
+        ahead = self._predict(h) if predicting else None
         ys = np.zeros((T, self.k, dim), dtype=np.float32)  # (token, rank) -> expert output
         for e, gate_up, down in self.store.experts(self.layer, np.unique(top), ahead):
             rows, ranks = np.nonzero(top == e)
@@ -111,8 +111,8 @@ class MoeFfn:
 
     def _predict(self, h: np.ndarray) -> np.ndarray:
         """The next layer's experts, predicted by its router on this layer's input (the residual
-        stream changes little between layers), for the store's prefetcher; affects speed only
-        (nothing computed here reaches the output)."""
+        stream changes little between layers), for the store's read-ahead and prefetcher;
+        affects speed only (nothing computed here reaches the output)."""
         predicted, _ = route(self.next_router.matmul(h), self.k, self.norm, **self.routing)
         return np.unique(predicted)
 
