@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import threading
 
 MADV_POPULATE_READ = 22  # Linux >= 5.14: fault a range of the mapping in, reading it
 
@@ -34,7 +35,12 @@ def cached(address: int) -> bool:
     only looks (~1 us). A read with RWF_NOWAIT would also answer, but it starts the kernel's
     read-ahead (8 MiB here) as a side effect. Without mincore, False."""
     page = address - address % mmap.PAGESIZE
-    vec = (ctypes.c_ubyte * 1)()
+    vec = getattr(_local, "vec", None)
+    if vec is None:
+        vec = _local.vec = (ctypes.c_ubyte * 1)()
     if _MINCORE is None or _MINCORE(page, mmap.PAGESIZE, vec) != 0:
         return False
     return bool(vec[0] & 1)
+
+
+_local = threading.local()  # each thread's one-byte answer buffer for mincore

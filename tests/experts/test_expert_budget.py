@@ -135,6 +135,22 @@ def test_policies_rank_victims():
     assert pin.rank([(0, 1), (0, 2)]) == [(0, 1), (0, 2)]  # pinned (0, 2) goes last
 
 
+def test_a_policy_s_first_n_victims_are_the_head_of_its_full_order():
+    rng = np.random.default_rng(3)
+    keys = [(int(a), int(b)) for a in range(4) for b in range(16)]
+    pols = [LruPolicy(), FrequencyPolicy(), PinnedPolicy({k: int(rng.integers(0, 5))
+                                                         for k in keys}, n_pinned=20)]
+    for i in rng.integers(0, len(keys), 300):
+        for p in pols:
+            p.touch(keys[i])
+    cands = [keys[i] for i in rng.permutation(len(keys))[:50]] + [(9, 9)]  # one never used
+    for p in pols:
+        full = p.rank(cands)
+        assert sorted(full) == sorted(cands)
+        for n in (0, 1, 3, 50, 51, 80):
+            assert p.rank(cands, n) == full[:n], (p.name, n)
+
+
 def test_budget_below_one_expert_is_refused(model):
     ids = np.arange(5) + 3
     before = model.logits(ids)

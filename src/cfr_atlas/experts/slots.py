@@ -4,12 +4,12 @@ expert is written there.
 A `Layout` is measured once per layer format signature on expert 0 (every expert of a layer
 has one shape and format): per matrix (gate|up, down) the offset, dtype and shape of each tile
 array, 64-byte aligned, and a template QuantWeight (name aside, what every expert's weight over
-its slot views looks like). `write(row, ...)` fills a slot row with one expert and returns its
-(gate_up, down) weights as views of the row. A matrix whose (arithmetic, format) has a
-one-pass kernel (repack.KERNELS) is filled straight from the mapped GGUF bytes; any other
-through its codec's repack and a copy. The one-pass fill is used only if it wrote, for
-expert 0, the very bytes the codec's repack gives (checked here at build time; a mismatch is
-a warning and the codec path).
+its slot views looks like). `write(tile_views(row, layout), ...)` fills a slot row with one
+expert and returns its (gate_up, down) weights over the row's views. A matrix whose
+(arithmetic, format) has a one-pass kernel (repack.KERNELS) is filled straight from the
+mapped GGUF bytes; any other through its codec's repack and a copy. The one-pass fill is used
+only if it wrote, for expert 0, the very bytes the codec's repack gives (checked here at build
+time; a mismatch is a warning and the codec path).
 Not here: which slot holds what (store.py), reading ahead (prefetch.py).
 """
 
@@ -71,7 +71,7 @@ def _measure(source: ExpertSource, layer: int) -> Layout:
     if any(fast):
         trial = Layout(lay.parts, lay.nbytes, lay.templates, fast)
         row = np.full(off, 0xA5, dtype=np.uint8)  # garbage: padding must be written too
-        got = write(row, source, layer, 0, trial)
+        got = write(tile_views(row, trial), source, layer, 0, trial)
         if all(_same(a, b) for a, b in zip(got, weights, strict=True)):
             return trial
         warnings.warn(f"layer {layer}: the one-pass expert repack differs from the codec's "
@@ -91,26 +91,30 @@ def _same(a: QuantWeight, b: QuantWeight) -> bool:
                for x, y in zip(a.tiles, b.tiles, strict=True) if isinstance(x, np.ndarray))
 
 
-def views(row: np.ndarray, template: QuantWeight, parts: tuple, name: str) -> QuantWeight:
-    """The template's weight over `row`'s tile arrays at `parts` (no copy)."""
-    tiles = []
-    for a, part in zip(template.tiles, parts, strict=True):
-        if not isinstance(a, np.ndarray):
-            tiles.append(a)
-            continue
-        n = int(np.prod(part.shape)) * part.dtype.itemsize
-        tiles.append(row[part.offset:part.offset + n].view(part.dtype).reshape(part.shape))
-    return QuantWeight(name, template.qtype, template.shape, type(template.tiles)(*tiles),
-                       template.codec)
+def tile_views(row: np.ndarray, layout: Layout) -> tuple:
+    """Per matrix of `layout`, its tiles (the template's tiles type) over `row`'s arrays at
+    the layout's parts: views, no copy."""
+    out = []
+    for template, parts in zip(layout.templates, layout.parts, strict=True):
+        tiles = []
+        for a, part in zip(template.tiles, parts, strict=True):
+            if not isinstance(a, np.ndarray):
+                tiles.append(a)
+                continue
+            n = int(np.prod(part.shape)) * part.dtype.itemsize
+            tiles.append(row[part.offset:part.offset + n].view(part.dtype).reshape(part.shape))
+        out.append(type(template.tiles)(*tiles))
+    return tuple(out)
 
 
-def write(row: np.ndarray, source: ExpertSource, layer: int, e: int,
+def write(tiles: tuple, source: ExpertSource, layer: int, e: int,
           layout: Layout) -> tuple[QuantWeight, QuantWeight]:
-    """Expert e of `layer` into the slot `row` -> (gate_up, down) over the row's views. Writes
-    only `row`; called without the store's lock (the one-pass kernels release the GIL)."""
+    """Expert e of `layer` into a slot whose `tile_views` for `layout` are `tiles` -> (gate_up,
+    down) over them. Writes only the slot; called without the store's lock (the one-pass
+    kernels release the GIL)."""
     name = f"blk.{layer}.expert{e}"
-    out = [views(row, t, p, f"{name}.{role}") for t, p, role
-           in zip(layout.templates, layout.parts, ("gate_up", "down"), strict=True)]
+    out = [QuantWeight(f"{name}.{role}", t.qtype, t.shape, v, t.codec) for t, v, role
+           in zip(layout.templates, tiles, ("gate_up", "down"), strict=True)]
     built = None
     gate, up, down = source.layers[layer]
     for i, (w, mats) in enumerate(zip(out, ((gate, up), (down,)), strict=True)):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -38,6 +39,14 @@ class ExpertMatrix:
     def block_bytes(self, e: int) -> np.ndarray:
         """Expert e's bytes as one flat uint8 view of the mapped file (no copy)."""
         return self.data[e].reshape(-1).view(np.uint8)
+
+    @cached_property
+    def _base(self) -> int:
+        return self.data.ctypes.data
+
+    def address(self, e: int) -> int:
+        """Where expert e's bytes are mapped (its first byte's address)."""
+        return self._base + e * self.data.strides[0]
 
     def byte_range(self, e: int) -> tuple[int, int]:
         """(file offset, length) of expert e's bytes."""
@@ -81,7 +90,7 @@ class ExpertSource:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
         for m in self.layers[layer]:
-            if m.offset >= 0 and not cached(m.data[e].ctypes.data):
+            if m.offset >= 0 and not cached(m.address(e)):
                 os.posix_fadvise(self._fd, *m.byte_range(e), os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:

@@ -119,6 +119,7 @@ class ExpertStore:
         if before_alloc is not None:
             before_alloc(n_slots * self.slot_bytes)
         self.pool = np.empty((n_slots, self.slot_bytes), dtype=np.uint8)
+        self._tiles: list[dict] = [{} for _ in range(n_slots)]  # per slot, per layout: views
         self.key_of: list[Key | None] = [None] * n_slots
         self.slot_of: dict[Key, int] = {}
         self.leases = [0] * n_slots
@@ -265,16 +266,23 @@ class ExpertStore:
         return turns
 
     def _victims(self, occupant, group: set, done: list, n: int) -> list[int]:
+        """n slots for a turn's loads: free ones first, then the policy's victims among the
+        unleased experts outside the turn, those of earlier turns last (fewer if there are
+        not enough)."""
         if n == 0:
             return []
-        free = [s for s, k in enumerate(occupant) if k is None and not self.leases[s]]
-        taken = [k for s, k in enumerate(occupant)
-                 if k is not None and k not in group and not self.leases[s]]
-        recent = set(done)
-        ranked = (self.policy.rank([k for k in taken if k not in recent])
-                  + self.policy.rank([k for k in taken if k in recent]))
-        slot = {k: s for s, k in enumerate(occupant) if k is not None}
-        return (free + [slot[k] for k in ranked])[:n]
+        free = [s for s, k in enumerate(occupant) if k is None and not self.leases[s]][:n]
+        need = n - len(free)
+        if need == 0:
+            return free
+        recent, slot = set(done), {}
+        for s, k in enumerate(occupant):
+            if k is not None and k not in group and not self.leases[s]:
+                slot[k] = s
+        ranked = self.policy.rank([k for k in slot if k not in recent], need)
+        if len(ranked) < need:
+            ranked += self.policy.rank([k for k in slot if k in recent], need - len(ranked))
+        return free + [slot[k] for k in ranked]
 
     def prefetch_slot(self, key: Key) -> int | None:
         """(lock held) A slot the prefetcher may fill with `key`: a free one, else the policy's
@@ -289,7 +297,7 @@ class ExpertStore:
         if not free and self.prefetcher.may_evict(key[0]):
             cands = [k for s, k in enumerate(self.key_of) if k is not None and idle(s)
                      and k[0] != key[0] and k not in self.ahead]
-            free = [self.slot_of[k] for k in self.policy.rank(cands)[:1]]
+            free = [self.slot_of[k] for k in self.policy.rank(cands, 1)]
         if not free:
             return None
         self.validate(key[0], [Turn([key[1]], [(key, free[0])])])
@@ -332,8 +340,13 @@ class ExpertStore:
         self.key_of[slot], self.weights[slot] = None, None
 
     def write(self, key: Key, slot: int) -> tuple:
-        """(no lock) key's matrices into the slot's row -> (gate_up, down) over its views."""
-        return slots.write(self.pool[slot], self.source, *key, self.layouts[key[0]])
+        """(no lock) key's matrices into the slot's row -> (gate_up, down) over its views
+        (the views of a slot for a layout are made once: their arrays do not change)."""
+        layout = self.layouts[key[0]]
+        tiles = self._tiles[slot].get(layout.parts)
+        if tiles is None:
+            tiles = self._tiles[slot][layout.parts] = slots.tile_views(self.pool[slot], layout)
+        return slots.write(tiles, self.source, *key, layout)
 
     def install(self, key: Key, slot: int, weights: tuple, prefetched: bool) -> None:
         """(lock held) The written slot now holds `key`; counted as a load."""
