@@ -87,6 +87,16 @@ def test_logits_match_llama_cpp_fixture(moe_file):
         assert diff.max() < LLAMACPP_TOL[qtype], (key, diff.max())
 
 
+def test_softmax_rows_sums_each_row_in_expert_order():
+    x = np.random.default_rng(5).normal(0, 4, (7, 61)).astype(np.float32)
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    s = e[:, 0].copy()
+    for j in range(1, e.shape[1]):  # the order the docstring promises, one rounding per add
+        s += e[:, j]
+    assert np.array_equal(softmax_rows(x), e / s[:, None])
+    assert np.array_equal(softmax_rows(x[2:3]), softmax_rows(x)[2:3])  # rows independent
+
+
 def test_route_ties_go_to_the_lowest_expert_id():
     logits = np.array([[0.0, 1.0, 1.0, 0.5, 1.0]], dtype=np.float32)
     top, w = route(logits, 2, norm=False)
