@@ -79,6 +79,12 @@ def _args(argv):
     p.add_argument("--matmul", default="float", choices=["float", "int8"],
                    help="the matmul arithmetic (load_model's matmul): int8 slots keep Q4_0's "
                         "nibbles packed, so an expert load is a copy")
+    p.add_argument("--ab-rounds", type=int, default=5,
+                   help="rounds of the warm A/B (default 5; 0 skips it): one model per "
+                        "--ab-budgets entry and one all resident, each decoding in turn, "
+                        "alternating the order, so every ratio compares the same minutes")
+    p.add_argument("--ab-budgets", default="50%",
+                   help="budgets the warm A/B compares with all resident (default 50%%)")
     p.add_argument("--load-path", action="store_true",
                    help="only the expert-load table (codec vs one-pass repack, cold and warm)")
     p.add_argument("--quick", action="store_true", help="a tiny model, a few tokens (tests)")
@@ -88,7 +94,7 @@ def _args(argv):
     a = p.parse_args(argv)
     if a.quick:
         a.layers, a.experts, a.dim, a.ff, a.top_k = 2, 8, 64, 128, 2
-        a.prompt_tokens, a.decode_tokens = 12, 4
+        a.prompt_tokens, a.decode_tokens, a.ab_rounds = 12, 4, min(a.ab_rounds, 2)
     return a
 
 
@@ -199,6 +205,52 @@ def _row(model, path, ids, a, name, budget, cache: str, prefetch: bool, base: by
             "prefetched": d["prefetched"], "prefetch_hits": d["prefetch_hits"],
             "loadavg": os.getloadavg()[0], "resident_before": resident,
             "exact": r["digest"] == base}
+
+
+def _warm_ab(a, path: Path, ids, base: bytes) -> list[dict]:
+    """The warm decode ratio, measured as an interleaved A/B: one model per budget (100% and
+    each of --ab-budgets, the same file), each run once to warm its pool and the page cache,
+    then --ab-rounds rounds in which each model prefills and decodes in turn (the order
+    reversed every other round). Per budget: the median decode tokens/s, and the median and
+    range of its per-round ratio to the 100% model of the same round."""
+    specs = ["100%", *[b for b in a.ab_budgets.split(",") if b != "100%"]]
+    models = []
+    for spec in specs:
+        m = load_model(path, matmul=a.matmul)
+        name, budget = _budget(spec, m)
+        store = m.net.set_experts(budget, a.policy)
+        store.use_prefetch(False)
+        _run(m, ids, a.decode_tokens)
+        models.append((name, m))
+    speed = {name: [] for name, _ in models}
+    read = {name: [] for name, _ in models}
+    exact = {name: True for name, _ in models}
+    for rnd in range(a.ab_rounds):
+        for name, m in (models if rnd % 2 == 0 else models[::-1]):
+            r = _run(m, ids, a.decode_tokens)
+            speed[name].append(r["decode_tok_s"])
+            read[name].append(r["decode_bytes_read_per_token"])
+            exact[name] = exact[name] and r["digest"] == base
+    full = speed[models[0][0]]
+    rows = []
+    for name, _ in models:
+        ratios = [x / f for x, f in zip(speed[name], full, strict=True)]
+        rows.append({"budget": name, "decode_tok_s": float(np.median(speed[name])),
+                     "ratio": float(np.median(ratios)), "ratio_min": min(ratios),
+                     "ratio_max": max(ratios), "read_per_token": float(np.median(read[name])),
+                     "rounds": a.ab_rounds, "exact": exact[name],
+                     "loadavg": os.getloadavg()[0]})
+    return rows
+
+
+def _ab_table(rows) -> str:
+    out = ["| budget | decode tok/s (median) | vs 100% (median of rounds) | rounds' range | "
+           "read/token MB | load | exact |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['budget']} | {r['decode_tok_s']:.1f} | {r['ratio']:.2f}x | "
+                   f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f} | {r['read_per_token'] / 1e6:.2f}"
+                   f" | {r['loadavg']:.1f} | {'yes' if r['exact'] else 'NO'} |")
+    return "\n".join(out)
 
 
 def _table(rows, seq, skew) -> str:
@@ -321,6 +373,7 @@ def main(argv=None) -> int:
                                      profile))
         loads = _load_path(model, path, a)
         del model
+        ab = _warm_ab(a, path, ids, base) if a.ab_rounds else []
         last = {**sequential_read(path), "loadavg": os.getloadavg()[0]}
     seq = {"gb_per_s": (first["gb_per_s"] + last["gb_per_s"]) / 2,
            "runs": f"{first['gb_per_s'] * 1e3:.0f} and {last['gb_per_s'] * 1e3:.0f} MB/s at load "
@@ -329,11 +382,15 @@ def main(argv=None) -> int:
     print("\nExpert loads alone (one step of 8 random experts per layer, through the store), "
           "interleaved with sequential reads:\n")
     print(_load_table(loads))
+    if ab:
+        print(f"\nWarm decode, interleaved A/B ({a.ab_rounds} rounds, prefetcher off, policy "
+              f"{a.policy}, {a.matmul} arithmetic):\n")
+        print(_ab_table(ab))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     if a.plot:
         _plot(rows, a.plot)
-    return 0 if all(r["exact"] for r in rows) else 1
+    return 0 if all(r["exact"] for r in rows + ab) else 1
 
 
 if __name__ == "__main__":

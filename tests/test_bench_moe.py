@@ -1,6 +1,6 @@
 """benchmarks/bench_moe.py stays runnable: --quick writes a tiny skewed MoE file, runs every
-budget warm and cold with the prefetcher off and on, prints the table and exits 0 only if every
-row is bitwise exact."""
+budget warm and cold with the prefetcher off and on, and the warm A/B of 50% against all
+resident; prints the tables and exits 0 only if every row is bitwise exact."""
 
 from __future__ import annotations
 
@@ -28,3 +28,5 @@ def test_quick_run_prints_table_and_every_row_is_exact(tmp_path, capsys):
     full = rows[0]["pool_bytes"]
     assert all(r["pool_bytes"] <= full // 2 for r in rows[4:])
     assert rows[-1]["decode_read_per_token"] > 0  # the smallest pool reads while decoding
+    ab = out[out.index("interleaved A/B"):]
+    assert "| 100% |" in ab and "| 50% |" in ab and "| NO |" not in ab
