@@ -149,11 +149,12 @@ def _transpose8(w0, w1, w2, w3, w4, w5, w6, w7):
 
 @intrinsic
 def _store_word(typingctx, dst, dst_at, v):
-    """The uint64 v -> dst's words at word index dst_at (a word-aligned array), no checks."""
+    """The uint64 v -> dst's words at word index dst_at (words counted from dst's first byte;
+    no alignment assumed), no checks."""
     def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
         p = builder.gep(builder.bitcast(data, ir.IntType(64).as_pointer()), [args[1]])
-        builder.store(args[2], p)
+        builder.store(args[2], p, align=1)
         return context.get_dummy_value()
 
     return types.void(dst, dst_at, types.uint64), codegen
