@@ -223,10 +223,11 @@ class ExpertStore:
                 self.lock.notify_all()
 
     def _plan_slots(self, layer: int, turns: list[Turn]) -> set[int]:
-        where, used = dict(self.slot_of), set()
+        loaded, used = {}, set()  # the plan's loads so far override the resident table
         for t in turns:
-            where.update(t.loads)
-            used.update(where[(layer, e)] for e in t.experts)
+            loaded.update(t.loads)
+            used.update(loaded[k] if k in loaded else self.slot_of[k]
+                        for k in ((layer, e) for e in t.experts))
         return used
 
     def _count_prediction(self, layer: int, turns: list[Turn]) -> None:
@@ -247,6 +248,8 @@ class ExpertStore:
         each turn's loads take free slots, then the policy's victims among unleased slots not
         used in this turn (experts of earlier turns count as just used)."""
         keys = [(layer, e) for e in experts]
+        if len(keys) <= self.n_slots and all(k in self.slot_of for k in keys):
+            return [Turn(list(experts), [])]  # all resident: what the loop below gives
         order = [k for k in keys if k in self.slot_of] + [k for k in keys if k not in self.slot_of]
         occupant, where = list(self.key_of), dict(self.slot_of)
         turns, done = [], []
