@@ -518,13 +518,15 @@ class SpillKv:
 
     def _pull_from(self, layer: int) -> None:
         """Queue `layer` and each later dense layer whose pages are not cached (this token's)
-        on the pull threads, one per slab."""
+        on the pull threads, one per slab. Which layers are cold is decided before the first
+        is queued: a running pull's read-around can bring in the next layer's first page, and
+        must not make it look cached while its other pages are not."""
         slabs = self._slabs()
         if self._puller is None:
             self._puller = _Puller(self.n_layers, len(slabs))
-        for ahead in range(layer, self.n_layers):
-            if self._sparse[ahead] or self._puller.pending[ahead] or not self._cold(ahead):
-                continue
+        cold = [ahead for ahead in range(layer, self.n_layers) if not self._sparse[ahead]
+                and not self._puller.pending[ahead] and self._cold(ahead)]
+        for ahead in cold:
             per_slab = [[] for _ in slabs]
             for offset, length in self._ranges(ahead):
                 i = sum(offset >= base for base, _ in slabs) - 1
@@ -536,8 +538,8 @@ class SpillKv:
         head, one range per run of such pages in each slab (kept until the layer gains a page
         or its fold reads other pages)."""
         pages, version = self._reserved[layer], self._want_version[layer]
-        cached = self._ahead.get(layer)
-        if cached is None or cached[:2] != (pages, version):
+        memo = self._ahead.get(layer)
+        if memo is None or memo[:2] != (pages, version):
             ranges = []
             for h, row in enumerate(self._want[layer, :, :pages]):
                 row = row.copy()
@@ -546,8 +548,8 @@ class SpillKv:
                 s0 = int(self._slots3[layer, h, 0])
                 for a, b in zip(edges[::2], edges[1::2], strict=True):
                     ranges += self._page_ranges(s0 + a, b - a)
-            cached = self._ahead[layer] = (pages, version, _coalesce(ranges))
-        return cached[2]
+            memo = self._ahead[layer] = (pages, version, _coalesce(ranges))
+        return memo[2]
 
     def _page_ranges(self, slot: int, pages: int) -> list[tuple[int, int]]:
         """(offset, length) in each slab of `pages` slots from `slot`."""
