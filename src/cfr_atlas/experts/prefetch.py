@@ -49,9 +49,7 @@ class Prefetcher:
             if self.stopped or not 0 <= layer < store.n_layers:
                 return
             queued = set(self.queue)
-            keys = [(layer, e) for e in sorted({int(e) for e in experts})
-                    if 0 <= e < store.n_experts and (layer, e) not in store.slot_of
-                    and (layer, e) not in queued]
+            keys = [k for k in store.missing(layer, experts) if k not in queued]
             self.predicted.add(layer)
             if self.trust[layer] < TRUST_TO_EVICT:
                 self.trust[layer] += PROBATION

@@ -59,6 +59,7 @@ from cfr_atlas.quant.tiles import TILE_ROWS
 QK = 32  # elements per block of both formats below
 SCALE_BYTES = 2  # the f16 d that opens each block
 
+
 @njit(nogil=True, cache=True)
 def half_bits_to_float_bits(h):
     """f16 bits (uint16 as int) -> float32 bits (uint32 as int), NumPy's conversion."""
@@ -254,12 +255,19 @@ def _zero_block_rows(first, n_tiles, R, nb, unit, q, d):
             q[at * unit:(at + 1) * unit] = 0
 
 
-def _rows_of(src: np.ndarray, qtype: QType, cols: int, r0: int, capacity: int) -> int:
-    rows, block = src.size // (cols // QK * BLOCKS[qtype].bytes), BLOCKS[qtype].bytes
-    if rows * (cols // QK) * block != src.size or r0 + rows > capacity:
-        raise ValueError(f"{src.size} bytes are not whole {qtype.name} rows of {cols} "
-                         f"columns fitting {capacity} rows of tiles")
-    return rows
+def _stacked(kernel, srcs: list[np.ndarray], qtype: QType, cols: int, capacity: int,
+             *args) -> int:
+    """kernel(src, rows, r0, *args) for each matrix of srcs stacked row-wise from row 0 (each
+    checked to be whole rows of `cols` columns within `capacity` rows) -> the rows written."""
+    block, r0 = BLOCKS[qtype].bytes, 0
+    for src in srcs:
+        rows = src.size // (cols // QK * block)
+        if rows * (cols // QK) * block != src.size or r0 + rows > capacity:
+            raise ValueError(f"{src.size} bytes are not whole {qtype.name} rows of {cols} "
+                             f"columns fitting {capacity} rows of tiles")
+        kernel(src, rows, r0, *args)
+        r0 += rows
+    return r0
 
 
 def fill(srcs: list[np.ndarray], qtype: QType, cols: int, tiles: Tiles) -> None:
@@ -275,11 +283,7 @@ def fill(srcs: list[np.ndarray], qtype: QType, cols: int, tiles: Tiles) -> None:
         raise ValueError(f"tiles q {q.dtype}{q.shape}, a {a.dtype}{a.shape} do not fit "
                          f"{cols} columns in tiles of {R} rows")
     qf, af = q.reshape(-1), a.reshape(-1).view(np.uint32)
-    r0 = 0
-    for src in srcs:
-        rows = _rows_of(src, qtype, cols, r0, n_tiles * R)
-        _FILL[qtype](src, rows, r0, cols, qf, af)
-        r0 += rows
+    r0 = _stacked(_FILL[qtype], srcs, qtype, cols, n_tiles * R, cols, qf, af)
     _zero_rows(r0, n_tiles, R, cols, qf, af)
 
 
@@ -293,11 +297,7 @@ def copy(srcs: list[np.ndarray], qtype: QType, cols: int, tiles) -> None:
         raise ValueError(f"tiles q {q.dtype}{q.shape}, d {d.dtype}{d.shape} do not fit "
                          f"{cols} columns in block tiles of {R} rows")
     qf, df = q.reshape(-1).view(np.uint8), d.reshape(-1).view(np.uint32)
-    r0 = 0
-    for src in srcs:
-        rows = _rows_of(src, qtype, cols, r0, n_tiles * R)
-        _COPY[qtype](src, rows, r0, nb, qf, df)
-        r0 += rows
+    r0 = _stacked(_COPY[qtype], srcs, qtype, cols, n_tiles * R, nb, qf, df)
     _zero_block_rows(r0, n_tiles, R, nb, unit, qf, df)
 
 

@@ -194,12 +194,17 @@ class ExpertStore:
                     self.reserved = frozenset()
                     self.lock.notify_all()
 
+    def missing(self, layer: int, experts) -> list[Key]:
+        """(lock held) The keys of `layer`'s distinct expert ids in range that are not
+        resident, in id order."""
+        return [(layer, e) for e in sorted({int(e) for e in experts})
+                if 0 <= e < self.n_experts and (layer, e) not in self.slot_of]
+
     def read_ahead(self, layer: int, experts) -> None:
         """Ask the kernel to read the predicted experts of `layer` that are not resident into
         the page cache (no slot is taken: the prefetcher, when on, loads them too)."""
         with self.lock:
-            keys = [(layer, int(e)) for e in experts
-                    if 0 <= e < self.n_experts and (layer, int(e)) not in self.slot_of]
+            keys = self.missing(layer, experts)
         for key in keys:
             self.source.advise(*key)
 
@@ -226,8 +231,9 @@ class ExpertStore:
         loaded, used = {}, set()  # the plan's loads so far override the resident table
         for t in turns:
             loaded.update(t.loads)
-            used.update(loaded[k] if k in loaded else self.slot_of[k]
-                        for k in ((layer, e) for e in t.experts))
+            for e in t.experts:
+                key = (layer, e)
+                used.add(loaded[key] if key in loaded else self.slot_of[key])
         return used
 
     def _count_prediction(self, layer: int, turns: list[Turn]) -> None:
