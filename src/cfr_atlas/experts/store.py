@@ -35,7 +35,7 @@ import numpy as np
 
 from cfr_atlas.errors import CapacityError, ConfigError
 from cfr_atlas.experts import slots
-from cfr_atlas.experts.policies import LruPolicy
+from cfr_atlas.experts.policies import LruPolicy, victim_slots
 from cfr_atlas.experts.prefetch import Prefetcher
 from cfr_atlas.experts.source import ExpertSource
 
@@ -105,8 +105,9 @@ class ExpertStore:
 
     def __init__(self, source: ExpertSource, budget: int | float | None = None, policy=None,
                  before_alloc=None, prefetch: bool = True):
-        self.source, self.policy = source, policy or LruPolicy()
+        self.source = source
         self.n_layers, self.n_experts = len(source.layers), source.n_experts
+        self.policy = policy or LruPolicy()
         self.layouts = slots.layouts(source)
         self.slot_bytes = max(lay.nbytes for lay in self.layouts)
         n_all = self.n_layers * self.n_experts
@@ -121,8 +122,9 @@ class ExpertStore:
         self.pool = np.empty((n_slots, self.slot_bytes), dtype=np.uint8)
         self._tiles: list[dict] = [{} for _ in range(n_slots)]  # per slot, per layout: views
         self.key_of: list[Key | None] = [None] * n_slots
+        self.occ = np.full(n_slots, -1, dtype=np.int64)  # per slot: its key's id, -1 free
         self.slot_of: dict[Key, int] = {}
-        self.leases = [0] * n_slots
+        self.leases = np.zeros(n_slots, dtype=np.int64)
         self.weights: list[tuple | None] = [None] * n_slots
         self.lock = threading.Condition(threading.RLock())
         self.step_lock = threading.RLock()
@@ -135,6 +137,16 @@ class ExpertStore:
             for i, key in enumerate((lay, e) for lay in range(self.n_layers)
                                     for e in range(self.n_experts)):
                 self._load(key, i)
+
+    @property
+    def policy(self):
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy) -> None:
+        """The eviction policy, bound to this store's shape (its tables are per expert)."""
+        policy.bind(self.n_layers, self.n_experts)
+        self._policy = policy
 
     @property
     def n_slots(self) -> int:
@@ -179,9 +191,8 @@ class ExpertStore:
                 self.reserved = frozenset(self._plan_slots(layer, turns))
                 self._count_prediction(layer, turns)
                 self.telemetry.extra_turns += len(turns) - 1
-            for turn in turns:  # every load of the step read at once: the disk sees them all
-                for key, _ in turn.loads:
-                    self.source.advise(*key)
+            # every load of the step asked for at once: the disk sees them all
+            self.source.advise(layer, [key[1] for turn in turns for key, _ in turn.loads])
             if ahead is not None and self.prefetcher is not None:
                 self.prefetcher.request(layer + 1, ahead)
             elif ahead is not None and layer + 1 < self.n_layers:
@@ -194,6 +205,13 @@ class ExpertStore:
                     self.reserved = frozenset()
                     self.lock.notify_all()
 
+    def wants_ahead(self, layer: int) -> bool:
+        """Whether predicting `layer`'s experts can help: the pool is bounded and either the
+        prefetcher loads predictions or some of the layer's bytes are not in the page cache
+        (read-ahead has something to ask for)."""
+        return self.bounded and 0 <= layer < self.n_layers and (
+            self.prefetcher is not None or not self.source.cached(layer))
+
     def missing(self, layer: int, experts) -> list[Key]:
         """(lock held) The keys of `layer`'s distinct expert ids in range that are not
         resident, in id order."""
@@ -205,8 +223,7 @@ class ExpertStore:
         the page cache (no slot is taken: the prefetcher, when on, loads them too)."""
         with self.lock:
             keys = self.missing(layer, experts)
-        for key in keys:
-            self.source.advise(*key)
+        self.source.advise(layer, [e for _, e in keys])
 
     def _run(self, layer: int, turn: Turn):
         loaded = {key for key, _ in turn.loads}
@@ -257,41 +274,31 @@ class ExpertStore:
         if len(keys) <= self.n_slots and all(k in self.slot_of for k in keys):
             return [Turn(list(experts), [])]  # all resident: what the loop below gives
         order = [k for k in keys if k in self.slot_of] + [k for k in keys if k not in self.slot_of]
-        occupant, where = list(self.key_of), dict(self.slot_of)
+        occ, where = self.occ.copy(), dict(self.slot_of)  # the plan's view of the slots
         turns, done = [], []
         for i in range(0, len(order), self.n_slots):
             group = order[i:i + self.n_slots]
             need = [k for k in group if k not in where]
-            slots_ = self._victims(occupant, set(group), done, len(need))
+            slots_ = self._victims(occ, [where[k] for k in group if k in where], done, len(need))
             if len(slots_) < len(need):
                 raise CapacityError(f"layer {layer}: {len(need)} experts to load but only "
                                     f"{len(slots_)} of {self.n_slots} slots are free or unleased")
             loads = list(zip(need, slots_, strict=True))
             for key, slot in loads:
-                where.pop(occupant[slot], None)
-                occupant[slot], where[key] = key, slot
+                if occ[slot] >= 0:
+                    where.pop(divmod(int(occ[slot]), self.n_experts), None)
+                occ[slot], where[key] = key[0] * self.n_experts + key[1], slot
             turns.append(Turn([e for _, e in group], loads))
-            done += group
+            done += [k[0] * self.n_experts + k[1] for k in group]
         return turns
 
-    def _victims(self, occupant, group: set, done: list, n: int) -> list[int]:
+    def _victims(self, occ: np.ndarray, group_slots: list[int], done: list[int],
+                 n: int) -> list[int]:
         """n slots for a turn's loads: free ones first, then the policy's victims among the
-        unleased experts outside the turn, those of earlier turns last (fewer if there are
-        not enough)."""
-        if n == 0:
-            return []
-        free = [s for s, k in enumerate(occupant) if k is None and not self.leases[s]][:n]
-        need = n - len(free)
-        if need == 0:
-            return free
-        recent, slot = set(done), {}
-        for s, k in enumerate(occupant):
-            if k is not None and k not in group and not self.leases[s]:
-                slot[k] = s
-        ranked = self.policy.rank([k for k in slot if k not in recent], need)
-        if len(ranked) < need:
-            ranked += self.policy.rank([k for k in slot if k in recent], need - len(ranked))
-        return free + [slot[k] for k in ranked]
+        unleased experts outside the turn (`group_slots` hold the turn's resident experts),
+        those of earlier turns (ids `done`) last; fewer if there are not enough. occ: the
+        plan's key id per slot (-1 free)."""
+        return victim_slots(self.policy, occ, self.leases, group_slots, done, n)
 
     def prefetch_slot(self, key: Key) -> int | None:
         """(lock held) A slot the prefetcher may fill with `key`: a free one, else the policy's
@@ -304,9 +311,9 @@ class ExpertStore:
 
         free = [s for s, k in enumerate(self.key_of) if k is None and idle(s)]
         if not free and self.prefetcher.may_evict(key[0]):
-            cands = [k for s, k in enumerate(self.key_of) if k is not None and idle(s)
-                     and k[0] != key[0] and k not in self.ahead]
-            free = [self.slot_of[k] for k in self.policy.rank(cands, 1)]
+            cands = np.array([s for s, k in enumerate(self.key_of) if k is not None and idle(s)
+                              and k[0] != key[0] and k not in self.ahead], dtype=np.int64)
+            free = cands[self.policy.order(self.occ[cands], 1)].tolist()
         if not free:
             return None
         self.validate(key[0], [Turn([key[1]], [(key, free[0])])])
@@ -346,7 +353,7 @@ class ExpertStore:
             if old in self.ahead:
                 self.ahead.discard(old)
                 t.prefetch_unused += 1
-        self.key_of[slot], self.weights[slot] = None, None
+        self.key_of[slot], self.weights[slot], self.occ[slot] = None, None, -1
 
     def write(self, key: Key, slot: int) -> tuple:
         """(no lock) key's matrices into the slot's row -> (gate_up, down) over its views
@@ -361,6 +368,7 @@ class ExpertStore:
         """(lock held) The written slot now holds `key`; counted as a load."""
         t, layout, raw = self.telemetry, self.layouts[key[0]], self.source.raw_bytes(key[0])
         self.weights[slot], self.key_of[slot], self.slot_of[key] = weights, key, slot
+        self.occ[slot] = key[0] * self.n_experts + key[1]
         t.bytes_read += raw
         t.bytes_moved += layout.nbytes
         t.last_step_bytes_moved += layout.nbytes
