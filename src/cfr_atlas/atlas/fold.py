@@ -35,6 +35,13 @@ the page.
 
 Each numba kernel has a NumPy twin (`fold_pages_numpy`, `merge_partitions_numpy`) with the same
 signature, used by the tests. This module holds no cache or policy logic.
+
+Compile time: `_fold_item` and `_merge_item` are compiled functions of their own that the serial,
+parallel and all-hot kernels call, not inlined into each at numba's IR level (which compiled
+the work item anew in every caller: a storage format's first use cost ~40-80 s of compiling,
+now ~15-25 s). Each kernel is called with one set of argument types per storage format: a
+strided array, prange's unsigned index or a literal in a tuple would each be another type,
+hence another compile.
 """
 
 from __future__ import annotations
@@ -110,7 +117,7 @@ def _last_reader(t, qpos, window, last_key):
     return window > 0 and qpos[t + 1] - window + 1 > last_key
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True)
 def _fold_item(w, q, qpos, slabs, walk, span, score, state):
     """Work item w = (head h, partition, query t): fold the partition's pages of the walk
     slice a..b, in page order, into state (t, h, partition).
@@ -247,12 +254,12 @@ def _fold_serial(q, qpos, slabs, walk, span, score, state, n_items):
 
 @njit(cache=True, parallel=True, nogil=True)
 def _fold_parallel(q, qpos, slabs, walk, span, score, state, n_items):
-    for w in prange(n_items):
-        _fold_item(w, q, qpos, slabs, walk, span, score, state)
+    for w in prange(n_items):  # prange's index is unsigned: cast, or _fold_item compiles twice
+        _fold_item(np.int64(w), q, qpos, slabs, walk, span, score, state)
 
 
 # Below this many (query head x key) pairs a call runs on one thread: waking the pool costs
-# more than it saves. Serial and parallel kernels inline the same work item, so the split only
+# more than it saves. Serial and parallel kernels call the same work item, so the split only
 # changes which thread computes an item, never its bits.
 PARALLEL_MIN_PAIRS = 1 << 13
 
@@ -286,7 +293,7 @@ def fold_pages(q, qpos, slabs, walk, span, score, state):
     kernel(q, qpos, slabs, walk, span, score, state, _n_items(q, walk, span))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True)
 def _merge_item(w, m, l, acc, sinks, out):
     """Work item w = (query t, head h): combine partitions left to right, add sinks, divide."""
     n_tok, n_head, n_part, n_grp = m.shape
@@ -331,7 +338,7 @@ def _merge_serial(m, l, acc, sinks, out):
 @njit(cache=True, parallel=True, nogil=True)
 def _merge_parallel(m, l, acc, sinks, out):
     for w in prange(m.shape[0] * m.shape[1]):
-        _merge_item(w, m, l, acc, sinks, out)
+        _merge_item(np.int64(w), m, l, acc, sinks, out)
 
 
 def merge_partitions(m, l, acc, sinks, out):
@@ -373,7 +380,8 @@ def _fold_hot(q, qpos, slabs, slot, span, score, sinks, out, plan):
     src = np.zeros((n_head, n_pg), dtype=np.int64)  # SRC_HOT
     walk = (src, slot, np.zeros((n_head, n_pg), dtype=np.uint32),
             np.zeros((n_head, n_pg), dtype=np.uint8))
-    full = (lo, context, split, 0, n_head * n_pg)
+    # np.int64(0), not 0: a literal would make the span another type (another compile)
+    full = (lo, context, split, np.int64(0), n_head * n_pg)
     if fold_parallel:
         _fold_parallel(q, qpos, slabs, walk, full, score, (m, l, acc), items)
     else:

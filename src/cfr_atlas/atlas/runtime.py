@@ -527,7 +527,10 @@ class Atlas:
         bad = np.zeros(src.shape, dtype=np.uint8)
         slabs = (self.cache.k, self.cache.v, self._scratch_k, self._scratch_v,
                  maps.k if maps else self._no_map[0], maps.v if maps else self._no_map[1])
-        walk = (src, slots, maps.expect if maps else np.zeros(src.shape, np.uint32), bad)
+        # every walk array C-contiguous: a strided one is another type to numba, and each
+        # fold kernel specialization costs 7-10 s of compiling on first use
+        expect = np.ascontiguousarray(maps.expect) if maps else np.zeros(src.shape, np.uint32)
+        walk = (src, np.ascontiguousarray(slots), expect, bad)
         fold_args = (q, qpos, slabs, walk, lo, context, scale, cap, alibi, win, m, l, acc)
         t_fold, begin, n_scr = 0.0, 0, 0
         for f in np.flatnonzero(src == fold.SRC_SCRATCH).tolist():
