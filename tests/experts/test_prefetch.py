@@ -163,12 +163,12 @@ def test_advice_skips_an_expert_whose_bytes_are_cached(model, monkeypatch):
     span = m.data.shape[0] * m.data.strides[0]
     page = mmap.PAGESIZE
     n_pages = (m.address(0) % page + span + page - 1) // page
-    monkeypatch.setattr(source_mod, "resident_pages", lambda a, n: np.ones(n_pages, np.uint8))
+    monkeypatch.setattr(source_mod, "resident_pages", lambda a, n: np.ones(n_pages, bool))
     src.advise(1, [3])
     assert calls == []
     looks = []
     monkeypatch.setattr(source_mod, "resident_pages",
-                        lambda a, n: looks.append(a) or np.zeros(n_pages, np.uint8))
+                        lambda a, n: looks.append(a) or np.zeros(n_pages, bool))
     for _ in range(source_mod.WARM_ASKS):  # wholly cached tensors are trusted for a while
         src.advise(1, [3])
     assert calls == [] and looks == []
@@ -177,7 +177,7 @@ def test_advice_skips_an_expert_whose_bytes_are_cached(model, monkeypatch):
     assert calls == [(*m.byte_range(3), source_mod.os.POSIX_FADV_WILLNEED)
                      for m in src.layers[1]]
     calls.clear()
-    pages = np.ones(n_pages, np.uint8)  # one page of expert 3's range not cached: asked for
+    pages = np.ones(n_pages, bool)  # one page of expert 3's range not cached: asked for
     pages[(m.address(3) + m.data[0].nbytes - 1) // page - m.address(0) // page] = 0
     monkeypatch.setattr(source_mod, "resident_pages", lambda a, n: pages)
     src._warm.clear()

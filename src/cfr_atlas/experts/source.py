@@ -105,7 +105,7 @@ class ExpertSource:
             for e in experts:
                 lo = (m.address(e) - first) // mmap.PAGESIZE
                 hi = (m.address(e) + n - 1 - first) // mmap.PAGESIZE + 1
-                if pages is not None and pages[lo:hi].min() & 1:
+                if pages is not None and pages[lo:hi].all():
                     continue
                 os.posix_fadvise(self._fd, *m.byte_range(e), os.POSIX_FADV_WILLNEED)
 
@@ -126,7 +126,7 @@ class ExpertSource:
             return True, None
         m = self.layers[layer][i]
         pages = resident_pages(m.address(0), m.data.shape[0] * m.data.strides[0])
-        if pages is not None and pages.min() & 1:
+        if pages is not None and pages.all():
             self._warm[layer, i] = WARM_ASKS
             return True, None
         return False, pages

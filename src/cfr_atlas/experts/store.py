@@ -205,6 +205,10 @@ class ExpertStore:
                     self.reserved = frozenset()
                     self.lock.notify_all()
 
+    def _id(self, key: Key) -> int:
+        """A key's id in `occ` and the policy's tables: layer * n_experts + expert."""
+        return key[0] * self.n_experts + key[1]
+
     def wants_ahead(self, layer: int) -> bool:
         """Whether predicting `layer`'s experts can help: the pool is bounded and either the
         prefetcher loads predictions or some of the layer's bytes are not in the page cache
@@ -287,9 +291,9 @@ class ExpertStore:
             for key, slot in loads:
                 if occ[slot] >= 0:
                     where.pop(divmod(int(occ[slot]), self.n_experts), None)
-                occ[slot], where[key] = key[0] * self.n_experts + key[1], slot
+                occ[slot], where[key] = self._id(key), slot
             turns.append(Turn([e for _, e in group], loads))
-            done += [k[0] * self.n_experts + k[1] for k in group]
+            done += [self._id(k) for k in group]
         return turns
 
     def _victims(self, occ: np.ndarray, group_slots: list[int], done: list[int],
@@ -368,7 +372,7 @@ class ExpertStore:
         """(lock held) The written slot now holds `key`; counted as a load."""
         t, layout, raw = self.telemetry, self.layouts[key[0]], self.source.raw_bytes(key[0])
         self.weights[slot], self.key_of[slot], self.slot_of[key] = weights, key, slot
-        self.occ[slot] = key[0] * self.n_experts + key[1]
+        self.occ[slot] = self._id(key)
         t.bytes_read += raw
         t.bytes_moved += layout.nbytes
         t.last_step_bytes_moved += layout.nbytes
