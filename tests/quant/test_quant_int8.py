@@ -12,6 +12,7 @@ from quant_data import BLOCK_FORMATS, assert_bits_equal, edge_raw, quantized, re
 
 from cfr_atlas.errors import ConfigError
 from cfr_atlas.quant import QType, QuantWeight, int8, q4_0, q4_1, q8_0
+from cfr_atlas.quant.tiles import to_tiles
 from cfr_atlas.quant.weight import CODECS, INT8_CODECS, INT8_FIELDS
 
 # the formats with their own integer path (the others keep their float codec under int8, tested
@@ -102,8 +103,10 @@ def test_block_dots_are_exact_integers(qtype):
     lo, hi = (-128, 128) if qtype is QType.Q8_0 else (0, 16)
     q = rng.integers(lo, hi, size=(n, k))
     q[:, ::32] = lo
+    q[3], q[4] = lo, hi - 1  # the extreme rows: every int16 partial sum at its largest
     x = rng.integers(-127, 128, size=(5, k))
     x[:, 1::32] = 127
+    x[3], x[4] = 127, -127
     w = _int8(qtype, _unit_block_raw(qtype, q.astype(np.uint8)), (n, k))
     vals = q - 8 if qtype is QType.Q4_0 else q
     expect = (x @ vals.T).astype(np.float32)
@@ -222,6 +225,52 @@ def test_integer_simd_in_assembly(qtype):
     asm = fresh.inspect_asm(sig)
     for op in ("vpmaddubsw", "vpmaddwd"):
         assert re.search(rf"\b{op}\b", asm), op
+    assert not re.search(r"\bvphaddd\b", asm)  # rows line up in lanes: no horizontal adds
+
+
+@pytest.mark.parametrize("nibbles, term", [(False, int8.SCALE), (True, int8.OFFSET8),
+                                           (True, int8.MIN), (False, int8.MIN)])
+def test_portable_dots_equal_the_avx2_dots(nibbles, term):
+    """The portable IR (machines without AVX2) and the AVX2 intrinsics give the same bits on
+    any weight bytes, including int8 -128 and every nibble 15."""
+    if not int8.AVX2:
+        pytest.skip("no AVX2 on numba's target: both kernels are the portable one")
+    rng = np.random.default_rng(11)
+    n, k, unit = 70, 256, 16 if nibbles else 32
+    q = rng.integers(0, 256, size=(n, k // 32 * unit)).astype(np.uint8)
+    q[:3] = (0xFF if nibbles else 0x80)
+    tiles = int8.to_block_tiles(q, unit)
+    d = to_tiles(rng.random((n, k // 32)).astype(np.float32))
+    m = to_tiles(rng.standard_normal((n, k // 32)).astype(np.float32))
+    for t in (1, 2, 3):
+        xq, xd, xsum = int8.quantize(_x(t, k, seed=t))
+        got = [np.empty((t, n), dtype=np.float32) for _ in range(2)]
+        for avx2, out in zip((True, False), got, strict=True):
+            int8.tile_kernel(nibbles, term, avx2=avx2)(xq, xd, xsum, tiles, d, m, out)
+        assert_bits_equal(got[0], got[1])
+
+
+@pytest.mark.parametrize("nbytes", [16, 32])
+def test_block_tile_layout(nbytes):
+    """to_block_tiles puts byte j of row r, block b at b * TILE_ROWS * nbytes +
+    block_byte(r, j, nbytes) of its tile; gather_block_rows reads any rows back."""
+    from cfr_atlas.quant.tiles import TILE_ROWS
+
+    rng = np.random.default_rng(nbytes)
+    n, nb = 70, 3
+    a = rng.integers(0, 256, size=(n, nb * nbytes)).astype(np.uint8)
+    tiles = int8.to_block_tiles(a, nbytes)
+    assert tiles.shape == (3, nb * TILE_ROWS * nbytes)
+    for row in (0, 7, 8, 31, 32, 69):
+        i, r = divmod(row, TILE_ROWS)
+        for b in range(nb):
+            for j in range(nbytes):
+                at = b * TILE_ROWS * nbytes + int8.block_byte(r, j, nbytes)
+                assert tiles[i, at] == a[row, b * nbytes + j]
+    assert not tiles[2].reshape(nb, -1)[:, int8.block_byte(69 - 64 + 1, 0, nbytes)].any()
+    assert_array_same(int8.gather_block_rows(tiles, slice(None), nbytes)[:n], a)
+    ids = np.array([69, 0, 33, 8, 8])
+    assert_array_same(int8.gather_block_rows(tiles, ids, nbytes), a[ids])
 
 
 # --- load-time layouts -------------------------------------------------------------------------

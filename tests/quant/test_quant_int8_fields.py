@@ -38,17 +38,26 @@ def test_kernel_equals_twin(qtype, shape, t):
     assert_bits_equal(w.matmul(x), _twin(w, x))
 
 
-@pytest.mark.parametrize("has_m", [False, True])
-def test_integer_simd_in_assembly(has_m):
-    """Both kernels (SCALE and MIN on int8 bytes) dot with vpmaddubsw + vpmaddwd on AVX2."""
+@pytest.mark.parametrize("qtype, key", [(QType.Q5_0, (False, False)), (QType.Q5_K, (True, False)),
+                                        (QType.Q4_K, (True, True))])
+def test_integer_simd_in_assembly(qtype, key):
+    """The three kernels (SCALE and MIN on int8 bytes, MIN on Q4_K's nibbles) dot with
+    vpmaddubsw + vpmaddwd on AVX2, and none reduces across lanes (no vphaddd)."""
     if "avx2" not in _cpu_flags() or not int8.AVX2:
         pytest.skip("no AVX2 in /proc/cpuinfo or on numba's target: portable IR is emitted")
-    qtype = QType.Q4_K if has_m else QType.Q5_0
     _int8(qtype, quantized(qtype, 16, 256), (16, 256)).matmul(np.ones((1, 256), np.float32))
-    kernel = int8_fields._KERNELS[has_m]
+    kernel = int8_fields._KERNELS[key]
     fresh = numba.njit(parallel=True)(kernel.py_func)  # numba cannot inspect cached code
     sig = kernel.signatures[0]
     fresh.compile(sig)
     asm = fresh.inspect_asm(sig)
     for op in ("vpmaddubsw", "vpmaddwd"):
         assert op in asm, op
+    assert "vphaddd" not in asm
+
+
+def test_q4_k_weights_are_packed_nibbles():
+    """Q4_K's integer tiles hold half a byte per weight; Q5_K's one byte."""
+    for qtype, per_weight in ((QType.Q4_K, 0.5), (QType.Q5_K, 1.0)):
+        w = _int8(qtype, quantized(qtype, 64, 512), (64, 512))
+        assert w.tiles.q.nbytes == 64 * 512 * per_weight

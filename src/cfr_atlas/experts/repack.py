@@ -10,8 +10,9 @@ arrays in place. Two layouts, one per matmul arithmetic (R = TILE_ROWS):
     q[i, col * R + r] = weight q - offset of row i * R + r, column col
     a[i, b * R + r]   = f16 scale d of block b of that row, as float32 bits
   int8 (the IntTiles of q4_0.py / q8_0.py, int8.py's block tiles)
-    q[i, (b * R + r) * U + j] = byte j of the quants of row i * R + r, block b, as stored
-                                (U = 16 packed nibbles for Q4_0, 32 int8 for Q8_0)
+    q[i, b * R * U + block_byte(r, j, U)] = byte j of the quants of row i * R + r, block b,
+                                as stored (U = 16 packed nibbles for Q4_0, 32 int8 for
+                                Q8_0; rows interleaved in 4-byte chunks, int8.py)
     d[i, b * R + r]           = as a above
   rows past the matrix (the last tile's padding): 0 in every array
 
@@ -21,8 +22,8 @@ stored q + 8) and Q8_0 (34-byte block: f16 d | 32 int8), with either arithmetic.
 checks at build time that this pass writes the very bytes the codec's repack gives (the NumPy
 twin is the codec's `repack` / `int_repack`), and refuses to use it otherwise.
 
-Speed. The int8 layout keeps each row's block bytes together: a fill is a copy of 16 or 32
-bytes per (row, block) and a scale conversion. The float layout is column-major within a
+Speed. The int8 layout keeps each row's block bytes in 4-byte chunks: a fill is 4 or 8 copies
+of 4 bytes per (row, block) and a scale conversion. The float layout is column-major within a
 tile, so a fill transposes: each 16 x 16 byte square (16 rows' quants of one block) is
 loaded into vector registers and transposed by byte unpacks (`_tile_block`), and Q4_0's
 nibbles become q - 8 with vector masks. Bytes move through small intrinsics (vector loads
@@ -53,6 +54,7 @@ from numba.extending import intrinsic
 
 from cfr_atlas.quant import q4_0, q8_0
 from cfr_atlas.quant.formats import BLOCKS, QType
+from cfr_atlas.quant.int8 import block_byte
 from cfr_atlas.quant.subblock import Tiles
 from cfr_atlas.quant.tiles import TILE_ROWS
 
@@ -227,7 +229,9 @@ def _make_copy(R: int, unit: int):
             for b in range(nb):
                 s, at = g * row_bytes + b * block, i * nb * R + b * R + r
                 d[at] = half_bits_to_float_bits(np.uint32(src[s]) | (np.uint32(src[s + 1]) << 8))
-                _copy_bytes(q, at * unit, src, s + SCALE_BYTES, unit)
+                base = (i * nb + b) * R * unit
+                for j in range(0, unit, 4):  # the row's 4-byte chunks (int8.block_byte)
+                    _copy_bytes(q, base + block_byte(r, j, unit), src, s + SCALE_BYTES + j, 4)
 
     return copy_rows
 
@@ -250,9 +254,10 @@ def _zero_block_rows(first, n_tiles, R, nb, unit, q, d):
     for g in range(first, n_tiles * R):
         i, r = g // R, g % R
         for b in range(nb):
-            at = i * nb * R + b * R + r
-            d[at] = 0
-            q[at * unit:(at + 1) * unit] = 0
+            d[i * nb * R + b * R + r] = 0
+            base = (i * nb + b) * R * unit
+            for j in range(unit):
+                q[base + block_byte(r, j, unit)] = 0
 
 
 def _stacked(kernel, srcs: list[np.ndarray], qtype: QType, cols: int, capacity: int,

@@ -12,15 +12,29 @@ activation products summed exactly in int32 per block, one float multiply-add pe
         acc    = acc + term_b                term_b per format (q8_0.py, q4_0.py, q4_1.py)
 
 Every float operation is one IEEE float32 rounding (numba without fastmath: no FMA contraction)
-and depends on (t, n) only, so matmul(X)[t] == matvec(X[t]) bit for bit. The integer dot of one
-block for 8 weight rows is an LLVM intrinsic: on AVX2 it is vpmaddubsw (unsigned weights x
-signed activations -> pairs summed in int16, which cannot saturate here: |pair| <= 2 * 128 * 127)
-then vpmaddwd against ones (-> int32) and a vphaddd tree across the rows; elsewhere portable
-IR (sext, mul, vector.reduce.add) that LLVM lowers for the target.
+and depends on (t, n) only, so matmul(X)[t] == matvec(X[t]) bit for bit.
 
-Weight layout ("block tiles"): a tile of TILE_ROWS output rows stores, block after block, the
-bytes of each row's block contiguously: tile[(b * TILE_ROWS + r) * BYTES + j]; BYTES = 32 for
-int8 weights, 16 for 4-bit weights kept packed as in GGUF (low nibbles q[0..15], high q[16..31]).
+Weight layout ("block tiles"). A tile of TILE_ROWS output rows stores its blocks one after
+another; a block holds the tile's rows in groups of GROUP = 8, and a group interleaves its
+rows' bytes in 4-byte chunks, chunk after chunk:
+
+    byte j of row r, block b:  tile[b * TILE_ROWS * BYTES + block_byte(r, j, BYTES)]
+    block_byte(r, j, BYTES) = (r // 8) * 8 * BYTES + ((j // 4) * 8 + r % 8) * 4 + j % 4
+
+BYTES = 32 for int8 weights, 16 for 4-bit weights kept packed as in GGUF (low nibbles q[0..15],
+high q[16..31]). So one 32-byte vector is the same 4 weights of 8 rows, and a 4-byte group of
+activations broadcast across it lines up with each row's 4 weights (llama.cpp's repacked
+Q4_0x8 layout is built on the same idea).
+
+The integer dot of one block for 8 weight rows is an LLVM intrinsic. On AVX2, per 4-weight
+chunk: vpmaddubsw (unsigned weights x signed activations -> pairs summed in int16) of the
+chunk vector and the broadcast activations, so every int16 lane already belongs to one row.
+Nibbles: the 8 chunks' int16 vectors are added in int16 (|sum| <= 8 * 2 * 15 * 127 = 30,480,
+no overflow), then one vpmaddwd against ones gives the 8 rows' int32 dots. int8 weights:
+|w| x (x with w's sign) through vpsignb, each chunk's pairs (|pair| <= 2 * 128 * 127) widened
+by vpmaddwd and added in int32. No horizontal adds. Elsewhere portable IR (sext, mul, shuffles,
+add) that LLVM lowers for the target. The integer dots are exact, so the layout and the
+instruction choice cannot change a bit of the result.
 
 The tile kernel (`tile_kernel`) is here too, one for the three formats, which pick their
 weight bytes (int8 or packed nibbles) and block term (SCALE, OFFSET8, MIN).
@@ -121,24 +135,33 @@ def quantize_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 # --- block tiles ---------------------------------------------------------------------------
 
 
+@njit(cache=True, nogil=True)
+def block_byte(r, j, nbytes):
+    """Offset of byte j of row r (of the tile) within one block of a tile (the layout above)."""
+    return (r // GROUP) * GROUP * nbytes + ((j // 4) * GROUP + r % GROUP) * 4 + j % 4
+
+
 def to_block_tiles(a: np.ndarray, nbytes: int) -> np.ndarray:
     """a (N, nb * nbytes) -> (n_tiles, nb * TILE_ROWS * nbytes), rows zero-padded to whole
-    tiles, each row's block `nbytes` contiguous (the layout in the module docstring)."""
+    tiles, in the layout of the module docstring."""
     rows, cols = a.shape
     tiles = -(-rows // TILE_ROWS)
     padded = np.zeros((tiles * TILE_ROWS, cols), dtype=a.dtype)
     padded[:rows] = a
-    blocked = padded.reshape(tiles, TILE_ROWS, cols // nbytes, nbytes).transpose(0, 2, 1, 3)
-    return np.ascontiguousarray(blocked).reshape(tiles, -1)
+    # (tile, group, row, block, chunk, 4) -> (tile, block, group, chunk, row, 4)
+    split = padded.reshape(tiles, TILE_ROWS // GROUP, GROUP, cols // nbytes, nbytes // 4, 4)
+    return np.ascontiguousarray(split.transpose(0, 3, 1, 4, 2, 5)).reshape(tiles, -1)
 
 
 def gather_block_rows(tiles: np.ndarray, ids: np.ndarray | slice, nbytes: int) -> np.ndarray:
     """Block tiles -> rows `ids` of the untiled (N, nb * nbytes) matrix, a new array."""
     nb = tiles.shape[1] // (TILE_ROWS * nbytes)
-    t4 = tiles.reshape(-1, nb, TILE_ROWS, nbytes)
+    t6 = tiles.reshape(-1, nb, TILE_ROWS // GROUP, nbytes // 4, GROUP, 4)
     if isinstance(ids, slice):
-        return t4.transpose(0, 2, 1, 3).reshape(-1, nb * nbytes)[ids]
-    return t4[ids // TILE_ROWS, :, ids % TILE_ROWS].reshape(len(ids), -1)
+        return t6.transpose(0, 2, 4, 1, 3, 5).reshape(-1, nb * nbytes)[ids]
+    ids = np.asarray(ids)
+    r = ids % TILE_ROWS  # advanced indices apart: their dimension comes first
+    return t6[ids // TILE_ROWS, :, r // GROUP, :, r % GROUP].reshape(len(ids), -1)
 
 
 def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
@@ -157,6 +180,10 @@ def block_dots_numpy(w: np.ndarray, xq: np.ndarray) -> np.ndarray:
 
 # --- the integer dot: 8 weight rows x one activation block -> 8 int32 ----------------------
 
+I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+V8 = ir.VectorType(I8, QK)  # one chunk vector: 4 bytes of each of 8 rows
+V16, V32 = ir.VectorType(I16, QK // 2), ir.VectorType(I32, GROUP)
+
 
 def _ptr(context, builder, ary_t, ary, index, vec):
     arr = context.make_array(ary_t)(context, builder, ary)
@@ -168,70 +195,84 @@ def _x86(builder, name, ret, *args):
     return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), list(args))
 
 
-def _pairs_avx2(builder, u, s):
-    """u unsigned, s signed <32 x i8> -> <8 x i32> sums of 4 adjacent products."""
-    i16, i32 = ir.VectorType(ir.IntType(16), 16), ir.VectorType(ir.IntType(32), 8)
-    p = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", i16, u, s)
-    ones = ir.Constant(i16, [ir.Constant(ir.IntType(16), 1)] * 16)
-    return _x86(builder, "llvm.x86.avx2.pmadd.wd", i32, p, ones)
+def _splat(v, x):
+    return ir.Constant(v, [ir.Constant(v.element, x)] * v.count)
 
 
-def _rows_avx2(builder, parts):
-    """8 <8 x i32> partial vectors -> one <8 x i32>: lane r = sum of parts[r]'s lanes."""
-    i32 = ir.VectorType(ir.IntType(32), 8)
-
-    def hadd(a, b):
-        return _x86(builder, "llvm.x86.avx2.phadd.d", i32, a, b)
-
-    h = [hadd(parts[i], parts[i + 1]) for i in range(0, 8, 2)]
-    lo, hi = hadd(h[0], h[1]), hadd(h[2], h[3])  # lanes: rows 0-3 | 4-7, low then high halves
-    a = builder.shuffle_vector(lo, hi, ir.Constant(i32, [0, 1, 2, 3, 8, 9, 10, 11]))
-    b = builder.shuffle_vector(lo, hi, ir.Constant(i32, [4, 5, 6, 7, 12, 13, 14, 15]))
-    return builder.add(a, b)
+def _broadcast(context, builder, x_t, x, xo, j):
+    """Activations x[xo + j .. xo + j + 3] repeated 8 times as a <32 x i8>."""
+    p = _ptr(context, builder, x_t, x, builder.add(xo, ir.Constant(xo.type, j)), I32)
+    one = builder.insert_element(ir.Constant(V32, None), builder.load(p, align=1),
+                                 ir.Constant(I32, 0))
+    return builder.bitcast(builder.shuffle_vector(one, ir.Constant(V32, None),
+                                                  ir.Constant(V32, [0] * GROUP)), V8)
 
 
-def _row_generic(builder, w, x, unsigned):
-    v32 = ir.VectorType(ir.IntType(32), QK)
+def _madd_avx2(builder, u, s):
+    """vpmaddubsw: unsigned u x signed s, adjacent pairs summed -> <16 x i16>."""
+    return _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", V16, u, s)
+
+
+def _widen_avx2(builder, p):
+    """vpmaddwd against ones: <16 x i16> -> <8 x i32>, lane r = the pair of lanes 2r, 2r + 1."""
+    return _x86(builder, "llvm.x86.avx2.pmadd.wd", V32, p, _splat(V16, 1))
+
+
+def _chunk_generic(builder, w, xb, unsigned):
+    """Portable: <32 x i8> chunk vector times broadcast activations -> <8 x i32> row sums."""
+    v32 = ir.VectorType(I32, QK)
     wide = builder.zext(w, v32) if unsigned else builder.sext(w, v32)
-    prod = builder.mul(wide, builder.sext(x, v32))
-    fnty = ir.FunctionType(ir.IntType(32), [v32])
-    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.vector.reduce.add.v32i32")
-    return builder.call(fn, [prod])
+    prod = builder.mul(wide, builder.sext(xb, v32))
+    parts = [builder.shuffle_vector(prod, ir.Constant(v32, None),
+                                    ir.Constant(V32, list(range(k, QK, 4)))) for k in range(4)]
+    return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
 
 
-def _dot8_one(builder, rows, xv, unsigned):
-    """8 loaded weight rows (<32 x i8> each) times one activation block -> <8 x i32>."""
-    if AVX2:
-        v8 = xv.type
-        if unsigned:
-            parts = [_pairs_avx2(builder, w, xv) for w in rows]
-        else:  # |w| x (x with w's sign): the unsigned x signed instruction, exactly
-            parts = [_pairs_avx2(builder, _x86(builder, "llvm.x86.avx2.psign.b", v8, w, w),
-                                 _x86(builder, "llvm.x86.avx2.psign.b", v8, xv, w))
-                     for w in rows]
-        return _rows_avx2(builder, parts)
-    res = ir.Constant(ir.VectorType(ir.IntType(32), GROUP), None)
-    for r, w in enumerate(rows):
-        res = builder.insert_element(res, _row_generic(builder, w, xv, unsigned),
-                                     ir.Constant(ir.IntType(32), r))
+def _dot_chunks(builder, chunks, xbs, unsigned, avx2):
+    """Chunk vectors (each with its broadcast activations) -> <8 x i32> dots of the 8 rows."""
+    if not avx2:
+        res = None
+        for w, xb in zip(chunks, xbs, strict=True):
+            part = _chunk_generic(builder, w, xb, unsigned)
+            res = part if res is None else builder.add(res, part)
+        return res
+    if unsigned:  # nibbles: 8 chunks of 0..15 weights, summed in int16 without overflow
+        s16 = None
+        for w, xb in zip(chunks, xbs, strict=True):
+            p = _madd_avx2(builder, w, xb)
+            s16 = p if s16 is None else builder.add(s16, p)
+        return _widen_avx2(builder, s16)
+    res = None  # int8: |w| x (x with w's sign), the unsigned x signed instruction, exactly
+    for w, xb in zip(chunks, xbs, strict=True):
+        p = _madd_avx2(builder, _x86(builder, "llvm.x86.avx2.psign.b", V8, w, w),
+                       _x86(builder, "llvm.x86.avx2.psign.b", V8, xb, w))
+        part = _widen_avx2(builder, p)
+        res = part if res is None else builder.add(res, part)
     return res
 
 
-def _dot8(load_row, unsigned, tokens):
+def _dot8(nibbles: bool, tokens: int, avx2: bool = AVX2):
     """An intrinsic dot8(w, wo, x, xo, out, oo[, u, uo, out_u]): out[oo + r] = sum_j W_r[j] *
-    x[xo + j] for the 8 rows r whose blocks load_row reads from w at wo (unsigned: weights
-    0..255, else int8); with tokens=2 also out_u[oo + r] for u[uo:], the rows loaded once."""
+    x[xo + j] for the 8 rows r of the group at w[wo:] (block tiles; nibbles: weights 0..15,
+    else int8); with tokens=2 also out_u[oo + r] for u[uo:], the weights loaded once."""
+    unit = QK // 2 if nibbles else QK
 
     def codegen(context, builder, sig, args):
-        v8, i32 = ir.VectorType(ir.IntType(8), QK), ir.VectorType(ir.IntType(32), GROUP)
-        rows = [load_row(context, builder, sig.args[0], args[0], args[1], r)
-                for r in range(GROUP)]
-        # (activation array, offset, output array) per token; the outputs share offset oo
+        w_t, w, wo = sig.args[0], args[0], args[1]
+        raw = [builder.load(_ptr(context, builder, w_t, w,
+                                 builder.add(wo, ir.Constant(wo.type, c * QK)), V8), align=1)
+               for c in range(unit // 4)]
+        if nibbles:  # chunk c: weights 4c .. 4c + 3 (low nibbles), 16 + 4c .. (high)
+            chunks = [builder.and_(v, _splat(V8, 0x0F)) for v in raw] \
+                + [builder.lshr(v, _splat(V8, 4)) for v in raw]
+            starts = [4 * c for c in range(unit // 4)] + [16 + 4 * c for c in range(unit // 4)]
+        else:
+            chunks, starts = raw, [4 * c for c in range(unit // 4)]
         for xa, xo, oa in ((2, 3, 4), (6, 7, 8))[:tokens]:
-            xv = builder.load(_ptr(context, builder, sig.args[xa], args[xa], args[xo], v8),
-                              align=1)
-            res = _dot8_one(builder, rows, xv, unsigned)
-            builder.store(res, _ptr(context, builder, sig.args[oa], args[oa], args[5], i32),
+            xbs = [_broadcast(context, builder, sig.args[xa], args[xa], args[xo], j)
+                   for j in starts]
+            res = _dot_chunks(builder, chunks, xbs, nibbles, avx2)
+            builder.store(res, _ptr(context, builder, sig.args[oa], args[oa], args[5], V32),
                           align=4)
         return context.get_dummy_value()
 
@@ -249,28 +290,8 @@ def _dot8(load_row, unsigned, tokens):
     return dot8x2
 
 
-def _load_int8_row(context, builder, ary_t, ary, off, r):
-    """Row r's 32 int8 weights at off + r * 32."""
-    v8 = ir.VectorType(ir.IntType(8), QK)
-    index = builder.add(off, ir.Constant(off.type, r * QK))
-    return builder.load(_ptr(context, builder, ary_t, ary, index, v8), align=1)
-
-
-def _load_nibble_row(context, builder, ary_t, ary, off, r):
-    """Row r's 16 packed bytes at off + r * 16 -> <32 x i8> values 0..15 in weight order."""
-    v16 = ir.VectorType(ir.IntType(8), QK // 2)
-    index = builder.add(off, ir.Constant(off.type, r * QK // 2))
-    p = builder.load(_ptr(context, builder, ary_t, ary, index, v16), align=1)
-    lo = builder.and_(p, ir.Constant(v16, [ir.Constant(ir.IntType(8), 0x0F)] * (QK // 2)))
-    hi = builder.lshr(p, ir.Constant(v16, [ir.Constant(ir.IntType(8), 4)] * (QK // 2)))
-    order = ir.Constant(ir.VectorType(ir.IntType(32), QK), list(range(QK)))
-    return builder.shuffle_vector(lo, hi, order)
-
-
-dot8_int8 = _dot8(_load_int8_row, unsigned=False, tokens=1)
-dot8_nibbles = _dot8(_load_nibble_row, unsigned=True, tokens=1)
-dot8x2_int8 = _dot8(_load_int8_row, unsigned=False, tokens=2)
-dot8x2_nibbles = _dot8(_load_nibble_row, unsigned=True, tokens=2)
+_DOTS = {(nib, avx2): (_dot8(nib, 1, avx2), _dot8(nib, 2, avx2))
+         for nib in (False, True) for avx2 in {AVX2, False}}
 
 
 # --- the tile kernel, one for the three integer-path formats --------------------------------
@@ -282,15 +303,15 @@ OFFSET8 = 1  # Q4_0: (d_k * dx) * (isum_r - 8 xsum_b)   (weights stored 0..15, v
 MIN = 2  # Q4_1:    (d_k * dx) * isum_r + m_k * (dx * xsum_b)   (llama.cpp's q8_1 s = d sum q)
 
 
-def tile_kernel(nibbles: bool, term: int):
+def tile_kernel(nibbles: bool, term: int, avx2: bool = AVX2):
     """The parallel integer-path kernel(xq, xd, xsum, q, d, m, out) for block tiles of int8
     weights (nibbles=False) or GGUF's packed nibbles, with one of the terms above (m is unused
     unless term == MIN: pass d). Threads split the tiles; tokens go in pairs, one weight load
-    serving both, every operation of either token the one a lone token performs."""
+    serving both, every operation of either token the one a lone token performs. avx2=False
+    builds the portable dots on any machine (the tests compare the two)."""
     R = TILE_ROWS
     unit = QK // 2 if nibbles else QK  # bytes of one row's block
-    dot1 = dot8_nibbles if nibbles else dot8_int8
-    dot2 = dot8x2_nibbles if nibbles else dot8x2_int8
+    dot1, dot2 = _DOTS[nibbles, avx2]
 
     @njit(cache=True, inline="always")
     def add_terms(acc, d, m, b, dx, xs, isum):

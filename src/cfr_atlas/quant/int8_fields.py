@@ -16,8 +16,10 @@ That is llama.cpp's arithmetic for these formats against Q8_0/Q8_1/Q8_K activati
 (sub-blocks of 16) keep their float codec under int8: their sub-block is half an activation
 block, which these kernels do not split.
 
-Weights take one byte each (like the float path's tiles), scales and offsets 4 bytes per 32
-weights. Dequantization and row reads give the float path's bits (the same a, c, q).
+Weights take one byte each, except Q4_K's (q in 0..15), which are packed two to a byte as GGUF
+packs Q4_0 (low nibbles q[0..15] of a sub-block, high q[16..31]) and go through Q4_1's nibble
+kernel: half the bytes a token streams. Scales and offsets take 4 bytes per 32 weights.
+Dequantization and row reads give the float path's bits (the same a, c, q).
 """
 
 from __future__ import annotations
@@ -37,42 +39,64 @@ QK = int8.QK
 
 
 class IntTiles(NamedTuple):
-    q: np.ndarray  # (n_tiles, nb * TILE_ROWS * QK) int8 block tiles (int8.py layout)
+    q: np.ndarray  # (n_tiles, nb * TILE_ROWS * QK) int8 block tiles (int8.py layout), or
+    #                (n_tiles, nb * TILE_ROWS * QK // 2) uint8 packed nibbles (Q4_K)
     d: np.ndarray  # (n_tiles, nb * TILE_ROWS) float32 sub-block scales a_s (tiles.py layout)
     m: np.ndarray  # the same for the offset as added (c_s or -c_s); (n_tiles, 0) without one
 
 
-_KERNELS = {False: int8.tile_kernel(nibbles=False, term=int8.SCALE),
-            True: int8.tile_kernel(nibbles=False, term=int8.MIN)}
+_KERNELS = {(False, False): int8.tile_kernel(nibbles=False, term=int8.SCALE),
+            (True, False): int8.tile_kernel(nibbles=False, term=int8.MIN),
+            (True, True): int8.tile_kernel(nibbles=True, term=int8.MIN)}
+HALF = QK // 2
 
 
-def _repack(fields: Callable[[np.ndarray], Fields], offset: Offset, raw: np.ndarray) -> IntTiles:
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """q (rows, nb * QK) values 0..15 -> (rows, nb * 16) uint8, GGUF's Q4_0 packing: byte j of
+    a block holds q[j] in its low nibble and q[j + 16] in its high one (int8.unpack_nibbles
+    undoes it)."""
+    b = q.view(np.uint8).reshape(q.shape[0], -1, QK)
+    return (b[..., :HALF] | (b[..., HALF:] << np.uint8(4))).reshape(q.shape[0], -1)
+
+
+def _repack(fields: Callable[[np.ndarray], Fields], offset: Offset, nibbles: bool,
+            raw: np.ndarray) -> IntTiles:
     a, c, q = fields(raw)
     d = to_tiles(a)
     if offset is Offset.NONE:
         m = np.zeros((d.shape[0], 0), dtype=np.float32)
     else:
         m = to_tiles(-c if offset is Offset.SUBTRACT else c)
+    if nibbles:
+        return IntTiles(int8.to_block_tiles(_pack_nibbles(q), HALF), d, m)
     return IntTiles(int8.to_block_tiles(q, QK), d, m)
 
 
-def _unpack_rows(offset: Offset, tiles: IntTiles, ids: np.ndarray | slice,
+def _weights(nibbles: bool, tiles: IntTiles, ids: np.ndarray | slice) -> np.ndarray:
+    """Rows `ids` of the quants q as int8 (rows, nb * QK)."""
+    if nibbles:
+        return int8.unpack_nibbles(int8.gather_block_rows(tiles.q, ids, HALF)).view(np.int8)
+    return int8.gather_block_rows(tiles.q, ids, QK).view(np.int8)
+
+
+def _unpack_rows(offset: Offset, nibbles: bool, tiles: IntTiles, ids: np.ndarray | slice,
                  out: np.ndarray | None = None) -> np.ndarray:
-    q = int8.gather_block_rows(tiles.q, ids, QK).view(np.int8)
+    q = _weights(nibbles, tiles, ids)
     a, c = gather_rows(tiles.d, ids), row_offsets(offset, tiles.m, ids)
     return values(a, c, q, np.empty(q.shape, dtype=np.float32) if out is None else out, offset)
 
 
-def _matmul(has_m: bool, x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
+def _matmul(has_m: bool, nibbles: bool, x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
     xq, xd, xsum = int8.quantize(x)
-    _KERNELS[has_m](xq, xd, xsum, tiles.q, tiles.d, tiles.m if has_m else tiles.d, out)
+    _KERNELS[has_m, nibbles](xq, xd, xsum, tiles.q, tiles.d, tiles.m if has_m else tiles.d, out)
 
 
-def _matmul_numpy(has_m: bool, x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
+def _matmul_numpy(has_m: bool, nibbles: bool, x: np.ndarray, tiles: IntTiles,
+                  out: np.ndarray) -> None:
     """The twin: the same quantization, exact block dots, the same float32 operations in the
     same block order as the kernel's SCALE / MIN term."""
     xq, xd, xsum = int8.quantize_numpy(x)
-    w = int8.gather_block_rows(tiles.q, slice(None), QK).view(np.int8)
+    w = _weights(nibbles, tiles, slice(None))
     dots = int8.block_dots_numpy(w, xq).astype(np.float32)  # exact: |isum| < 2**24
     d = gather_rows(tiles.d, slice(None))
     m = gather_rows(tiles.m, slice(None)) if has_m else None
@@ -91,6 +115,7 @@ def codec(qtype: QType, fields: Callable[[np.ndarray], Fields], offset: Offset,
           dequantize: Callable[[np.ndarray], np.ndarray]) -> Codec:
     """The int8-path Codec of a format with sub-blocks of 32 (its float codec's dequantize)."""
     has_m = offset is not Offset.NONE
-    return Codec(qtype, np.dtype(np.uint8), dequantize, partial(_repack, fields, offset),
-                 partial(_unpack_rows, offset), partial(_matmul, has_m),
-                 partial(_matmul_numpy, has_m))
+    nibbles = qtype is QType.Q4_K  # the one format here whose q is 4 bits, 0..15
+    return Codec(qtype, np.dtype(np.uint8), dequantize, partial(_repack, fields, offset, nibbles),
+                 partial(_unpack_rows, offset, nibbles), partial(_matmul, has_m, nibbles),
+                 partial(_matmul_numpy, has_m, nibbles))
