@@ -23,7 +23,9 @@ on a CPU; llama-cpp-python's default is off, --flash-attn off measures that) and
 OMP_WAIT_POLICY=PASSIVE (on a shared, busy machine llama.cpp's spinning OpenMP barriers
 collapse: decode after 512 tokens measured 0.5-0.8 tok/s ACTIVE against 19-27 PASSIVE at load
 average 15; --omp-wait-policy active for a quiet machine); ours with its
-defaults (float16 K/V, no budget, 256-token prefill chunks). llama.cpp is skipped, with a
+defaults (float16 K/V, no budget, 256-token prefill chunks), as two engines: float arithmetic
+(the default) and `matmul="int8"` (activations quantized per 32-element block, integer dots,
+as llama.cpp computes), each with its own ratio to llama.cpp. llama.cpp is skipped, with a
 note, when `llama_cpp` is not importable. This script does not compare the engines' outputs
 (see docs/CONFORMANCE.md and benchmarks/llamacpp_ref.py).
 """
@@ -43,8 +45,9 @@ from pathlib import Path
 
 import numpy as np
 
-ENGINES = ("ours", "llamacpp")
-NAMES = {"ours": "cfr-atlas", "llamacpp": "llama.cpp"}
+ENGINES = ("ours", "ours-int8", "llamacpp")
+NAMES = {"ours": "cfr-atlas", "ours-int8": "cfr-atlas int8", "llamacpp": "llama.cpp"}
+OURS = ("ours", "ours-int8")  # float arithmetic (the default) and matmul="int8"
 N_BATCH = 512
 VENDORED = {"0.3.36": "ggml-org/llama.cpp@0c1e57098"}  # llama-cpp-python's CHANGELOG
 
@@ -88,7 +91,7 @@ def ours_worker(spec: dict, ids: np.ndarray) -> dict:
     from cfr_atlas.engine import load_model
     from cfr_atlas.generate import prefill
 
-    model = load_model(spec["model"])
+    model = load_model(spec["model"], matmul="int8" if spec["engine"] == "ours-int8" else "float")
     state = {"s": None}
 
     def run_prompt(chunk, fresh: bool) -> float:
@@ -148,7 +151,7 @@ def _flash_attn(llm) -> str:
     return "unknown"
 
 
-WORKERS = {"ours": ours_worker, "llamacpp": llamacpp_worker}
+WORKERS = {"ours": ours_worker, "ours-int8": ours_worker, "llamacpp": llamacpp_worker}
 
 
 def run_worker(spec: dict) -> dict:
@@ -220,29 +223,40 @@ def collect(a, runs: list[dict]) -> list[dict]:
                 got = [r["rows"][name] for r in runs if r["format"] == fmt and r["engine"] == e]
                 row[e] = statistics.median(got) if got else None
                 row[f"{e}_runs"] = got
-            both = row["ours"] is not None and row["llamacpp"] is not None
-            row["ratio"] = row["ours"] / row["llamacpp"] if both else None
-            row["met"] = row["ratio"] >= row["target"] if both else None
+            for e, key in (("ours", ""), ("ours-int8", "_int8")):
+                both = row[e] is not None and row["llamacpp"] is not None
+                row[f"ratio{key}"] = row[e] / row["llamacpp"] if both else None
+                row[f"met{key}"] = row[f"ratio{key}"] >= row["target"] if both else None
             rows.append(row)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| format | workload | cfr-atlas tok/s | llama.cpp tok/s | ratio | target | met |\n"
-            "|---|---|---|---|---|---|---|")
+    """Markdown: each of our engines that ran, its tok/s and its ratio to llama.cpp."""
+    ours = [e for e in OURS if any(r[e] is not None for r in rows)]
+    key = {"ours": "", "ours-int8": "_int8"}
+    cols = [c for e in ours for c in (f"{NAMES[e]} tok/s", "ratio", "met")]
+    head = ("| format | workload | llama.cpp tok/s | " + " | ".join(cols) + " | target |\n"
+            + "|---" * (len(cols) + 4) + "|")
     lines = [head]
+
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
     for r in rows:
-        theirs = "-" if r["llamacpp"] is None else f"{r['llamacpp']:.1f}"
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
-        lines.append(f"| {r['format']} | {r['workload']} | {r['ours']:.1f} | {theirs} | {ratio} "
-                     f"| >= {r['target']:.1f} | {met} |")
+        cells = []
+        for e in ours:
+            met = r[f"met{key[e]}"]
+            cells += [num(r[e], ".1f"), num(r[f"ratio{key[e]}"], ".2f"),
+                      "-" if met is None else ("yes" if met else "NO")]
+        lines.append(f"| {r['format']} | {r['workload']} | {num(r['llamacpp'], '.1f')} | "
+                     + " | ".join(cells) + f" | >= {r['target']:.1f} |")
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path) -> None:
     """Tokens/s vs context tokens, one panel per format: decode solid, prefill dashed,
-    cfr-atlas blue, llama.cpp orange."""
+    cfr-atlas blue, its int8 arithmetic orange, llama.cpp green."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -282,7 +296,8 @@ def parse_args(argv=None):
     ap.add_argument("--model", default=None, help="Q4_1 GGUF (default: the bundled SmolLM2)")
     ap.add_argument("--formats", type=lambda s: s.split(","), default=["Q4_1", "Q4_0", "Q8_0"])
     ap.add_argument("--engines", type=lambda s: s.split(","), default=list(ENGINES),
-                    help="ours,llamacpp (llamacpp is dropped if llama_cpp is not importable)")
+                    help="ours (float arithmetic, the default), ours-int8 (matmul='int8'), "
+                         "llamacpp (dropped if llama_cpp is not importable); default: all")
     ap.add_argument("--flash-attn", choices=["on", "off"], default="on",
                     help="llama.cpp's flash attention (on: what its default 'auto' picks)")
     ap.add_argument("--omp-wait-policy", choices=["passive", "active"], default="passive",

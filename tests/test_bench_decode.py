@@ -44,12 +44,16 @@ def test_quick_run_prints_table_json_and_plot(bench, tmp_path, capsys):
         (f, w) for f in ("Q4_1", "Q4_0", "Q8_0") for w in workloads]
     assert [r["target"] for r in rows[:4]] == [1.5, 1.5, 1.2, 1.5]
     assert all(r["ours"] > 0 and len(r["ours_runs"]) == 1 for r in rows)
+    assert all(r["ours-int8"] > 0 and len(r["ours-int8_runs"]) == 1 for r in rows)
+    assert "cfr-atlas int8 tok/s" in out
     if HAVE_LLAMA_CPP:
-        assert all(r["llamacpp"] > 0 and r["ratio"] == r["ours"] / r["llamacpp"] for r in rows)
+        assert all(r["llamacpp"] > 0 and r["ratio"] == r["ours"] / r["llamacpp"]
+                   and r["ratio_int8"] == r["ours-int8"] / r["llamacpp"] for r in rows)
         assert meta["llamacpp_info"]["version"] == "0.3.36"
         assert "| Q8_0 | decode @64 |" in out and "llama-cpp-python 0.3.36" in out
     else:
-        assert all(r["llamacpp"] is None and r["ratio"] is None for r in rows)
+        assert all(r["llamacpp"] is None and r["ratio"] is None and r["ratio_int8"] is None
+                   for r in rows)
         assert "skipped llama.cpp" in out
     assert meta["threads"] == 2 and meta["quick"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
