@@ -47,7 +47,8 @@ import numpy as np
 
 ENGINES = ("ours", "ours-int8", "llamacpp")
 NAMES = {"ours": "cfr-atlas", "ours-int8": "cfr-atlas int8", "llamacpp": "llama.cpp"}
-OURS = ("ours", "ours-int8")  # float arithmetic (the default) and matmul="int8"
+# our engines -> the suffix of their ratio / met keys: float (the default), matmul="int8"
+OURS = {"ours": "", "ours-int8": "_int8"}
 N_BATCH = 512
 VENDORED = {"0.3.36": "ggml-org/llama.cpp@0c1e57098"}  # llama-cpp-python's CHANGELOG
 
@@ -223,7 +224,7 @@ def collect(a, runs: list[dict]) -> list[dict]:
                 got = [r["rows"][name] for r in runs if r["format"] == fmt and r["engine"] == e]
                 row[e] = statistics.median(got) if got else None
                 row[f"{e}_runs"] = got
-            for e, key in (("ours", ""), ("ours-int8", "_int8")):
+            for e, key in OURS.items():
                 both = row[e] is not None and row["llamacpp"] is not None
                 row[f"ratio{key}"] = row[e] / row["llamacpp"] if both else None
                 row[f"met{key}"] = row[f"ratio{key}"] >= row["target"] if both else None
@@ -234,7 +235,6 @@ def collect(a, runs: list[dict]) -> list[dict]:
 def table(rows: list[dict]) -> str:
     """Markdown: each of our engines that ran, its tok/s and its ratio to llama.cpp."""
     ours = [e for e in OURS if any(r[e] is not None for r in rows)]
-    key = {"ours": "", "ours-int8": "_int8"}
     cols = [c for e in ours for c in (f"{NAMES[e]} tok/s", "ratio", "met")]
     head = ("| format | workload | llama.cpp tok/s | " + " | ".join(cols) + " | target |\n"
             + "|---" * (len(cols) + 4) + "|")
@@ -246,8 +246,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         cells = []
         for e in ours:
-            met = r[f"met{key[e]}"]
-            cells += [num(r[e], ".1f"), num(r[f"ratio{key[e]}"], ".2f"),
+            met = r[f"met{OURS[e]}"]
+            cells += [num(r[e], ".1f"), num(r[f"ratio{OURS[e]}"], ".2f"),
                       "-" if met is None else ("yes" if met else "NO")]
         lines.append(f"| {r['format']} | {r['workload']} | {num(r['llamacpp'], '.1f')} | "
                      + " | ".join(cells) + f" | >= {r['target']:.1f} |")

@@ -1,7 +1,7 @@
 """Server throughput and latency under N concurrent greedy streams (continuous batching).
 
     python benchmarks/bench_serve.py [--model PATH] [--clients 1,2,4,8] [--tokens 64]
-                                     [--plot PATH] [--json PATH]
+                                     [--matmul float|int8] [--plot PATH] [--json PATH]
 
 Starts `cfr-atlas serve` in its own process (default: the bundled model; max-active = the
 largest N), warms it up, then for each N runs N clients at once, each streaming one greedy
@@ -11,6 +11,7 @@ last answer), its ratio to one stream, and p50/p95 of the time to first token an
 between streamed tokens. One run on one machine: compare rows within the run, not across runs.
 `--in-process` adds a second table without the server: the median time of one batched decode
 step (`forward_batch` of N single tokens) in this process, the ceiling batching can reach.
+`--matmul` picks the arithmetic of both (the server's `--matmul`, `load_model(matmul=...)`).
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str | None, max_active: int) -> tuple[subprocess.Popen, str]:
+def start_server(model: str | None, max_active: int,
+                 matmul: str = "float") -> tuple[subprocess.Popen, str]:
     """`cfr-atlas serve` in a child process; returns it and its URL once it answers."""
     port = _free_port()
     cmd = [sys.executable, "-m", "cfr_atlas.cli", "serve", "--port", str(port), "--name",
-           "bench", "--max-active", str(max_active), "--max-queue", str(2 * max_active)]
+           "bench", "--max-active", str(max_active), "--max-queue", str(2 * max_active),
+           "--matmul", matmul]
     proc = subprocess.Popen(cmd + (["--model", model] if model else []), env=os.environ.copy(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url, end = f"http://127.0.0.1:{port}", time.monotonic() + 300
@@ -143,7 +146,8 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def in_process(model_path: str | None, counts: list[int], repeats: int = 7) -> str:
+def in_process(model_path: str | None, counts: list[int], repeats: int = 7,
+               matmul: str = "float") -> str:
     """Median wall time of one `forward_batch` decode step of N sequences (after a 40-token
     prompt each), steps of different N interleaved so drifting load hits them alike."""
     import numpy as np
@@ -151,7 +155,7 @@ def in_process(model_path: str | None, counts: list[int], repeats: int = 7) -> s
     from cfr_atlas.engine import load_model
     from cfr_atlas.models.batch import BatchItem
 
-    model = load_model(model_path)
+    model = load_model(model_path, matmul=matmul)
     sessions = [model.session() for _ in range(max(counts))]
     for s, text in zip(sessions, prompts(len(sessions)), strict=True):
         model.net.forward_chunk(s, np.array(model.tokenize(text)[:40]), all_logits=False)
@@ -178,11 +182,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="tokens per stream (default 64)")
     ap.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of the table")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--matmul", default="float", choices=["float", "int8"],
+                    help="the weight products' arithmetic (default float, as the server's)")
     ap.add_argument("--in-process", action="store_true",
                     help="also time batched decode steps without the server")
     a = ap.parse_args(argv)
     counts = [int(x) for x in a.clients.split(",")]
-    proc, url = start_server(a.model, max(counts))
+    proc, url = start_server(a.model, max(counts), a.matmul)
     try:
         run_clients(url, min(2, max(counts)), 4)  # warm-up: kernels, first batches
         rows = [run_clients(url, n, a.tokens) for n in counts]
@@ -190,7 +196,7 @@ def main(argv=None) -> int:
         proc.terminate()
         proc.wait(30)
     print(f"bench_serve: {a.tokens} greedy tokens per stream, "
-          f"{os.cpu_count()} CPUs visible, model {a.model or 'bundled'}")
+          f"{os.cpu_count()} CPUs visible, model {a.model or 'bundled'}, matmul {a.matmul}")
     print(table(rows))
     if a.json:
         with open(a.json, "w") as f:
@@ -200,7 +206,7 @@ def main(argv=None) -> int:
         print(f"plot: {a.plot}")
     if a.in_process:
         print("\nforward_batch decode step alone (no server), median of 7:")
-        print(in_process(a.model, counts))
+        print(in_process(a.model, counts, matmul=a.matmul))
     return 0
 
 

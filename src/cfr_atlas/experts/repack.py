@@ -33,7 +33,8 @@ takes a byte-at-a-time path. Both kernels split their tiles (rows) between numba
 a tile's bytes do not depend on which thread wrote it (tested with 1 and 2 threads).
 Measured on one 1408 x 512 Q4_0 matrix in cache, 2 threads, AMD EPYC: float 0.13 ms (the
 8 x 8 word transpose before it: 0.20 ms; the byte-at-a-time kernel before that: ~0.6 ms on
-one thread), int8 0.07-0.09 ms.
+one thread), int8 0.07-0.09 ms (measured when a row's block was one 16- or 32-byte copy;
+now 4 or 8 copies of 4 bytes, not re-measured).
 
 f16 -> f32 is done on the bits, as NumPy does it (npy_halfbits_to_floatbits: exact, subnormals
 normalized, NaN payloads shifted, not quieted); a test runs all 65,536 halves against NumPy.
@@ -163,27 +164,30 @@ def _tile_block(typingctx, src, s0, row_bytes, q, qt, rows, unit, nibbles):
     return types.void(src, s0, row_bytes, q, qt, rows, unit, nibbles), codegen
 
 
+@njit(nogil=True, cache=True)
+def _part_block(src, s0, row_bytes, lo, hi, q, qt, R, unit, nibbles):
+    """Float layout, one block of rows lo .. hi - 1 of a tile (row lo's quants at src[s0]),
+    byte at a time (a tile cut short by the caller's rows range)."""
+    for r in range(lo, hi):
+        s = s0 + (r - lo) * row_bytes
+        for j in range(unit):
+            v = src[s + j]
+            if nibbles:
+                q[qt + j * R + r] = np.int8(v & 0x0F) - 8
+                q[qt + (j + unit) * R + r] = np.int8(v >> 4) - 8
+            else:
+                q[qt + j * R + r] = np.int8(v)
+
+
 def _make_fill(R: int, nibbles: bool):
     """The float-layout kernel for tiles of R rows, Q4_0 (nibbles) or Q8_0: R and the format
-    are closure constants (numba's cache keys the kernel by them)."""
+    are closure constants (numba's cache keys the kernel by them). The closure holds plain
+    values only: a compiled function in it pickles differently in every process, which gave
+    the kernel a new cache key, and a compile, in each."""
     unit = QK // 2 if nibbles else QK  # quant bytes of one row's block
     block = SCALE_BYTES + unit
     if R % 16:
         raise ValueError(f"tiles of {R} rows are not whole 16-row squares")
-
-    @njit(nogil=True, cache=True)
-    def part(src, s0, row_bytes, lo, hi, q, qt):
-        """One block of rows lo .. hi - 1 of a tile (row lo's quants at src[s0]), byte at a
-        time."""
-        for r in range(lo, hi):
-            s = s0 + (r - lo) * row_bytes
-            for j in range(unit):
-                v = src[s + j]
-                if nibbles:
-                    q[qt + j * R + r] = np.int8(v & 0x0F) - 8
-                    q[qt + (j + unit) * R + r] = np.int8(v >> 4) - 8
-                else:
-                    q[qt + j * R + r] = np.int8(v)
 
     @njit(nogil=True, cache=True, parallel=True)
     def fill_rows(src, rows, r0, n_cols, q, a):
@@ -208,7 +212,7 @@ def _make_fill(R: int, nibbles: bool):
                 if lo == 0 and hi == R:
                     _tile_block(src, s0, row_bytes, q, qt, R, unit, nibbles)
                 else:
-                    part(src, s0, row_bytes, lo, hi, q, qt)
+                    _part_block(src, s0, row_bytes, lo, hi, q, qt, R, unit, nibbles)
 
     return fill_rows
 

@@ -55,6 +55,7 @@ from cfr_atlas.quant.tiles import TILE_ROWS
 
 QK = 32  # activation block: the block of every integer-path weight format
 GROUP = 8  # weight rows per integer-dot intrinsic call (one 8 x int32 result vector)
+CHUNK = 4  # bytes of one row in a chunk vector (vpmaddubsw + vpmaddwd sum 4 products)
 QMAX = np.float32(127.0)
 
 
@@ -138,7 +139,7 @@ def quantize_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 @njit(cache=True, nogil=True)
 def block_byte(r, j, nbytes):
     """Offset of byte j of row r (of the tile) within one block of a tile (the layout above)."""
-    return (r // GROUP) * GROUP * nbytes + ((j // 4) * GROUP + r % GROUP) * 4 + j % 4
+    return (r // GROUP) * GROUP * nbytes + ((j // CHUNK) * GROUP + r % GROUP) * CHUNK + j % CHUNK
 
 
 def to_block_tiles(a: np.ndarray, nbytes: int) -> np.ndarray:
@@ -148,20 +149,21 @@ def to_block_tiles(a: np.ndarray, nbytes: int) -> np.ndarray:
     tiles = -(-rows // TILE_ROWS)
     padded = np.zeros((tiles * TILE_ROWS, cols), dtype=a.dtype)
     padded[:rows] = a
-    # (tile, group, row, block, chunk, 4) -> (tile, block, group, chunk, row, 4)
-    split = padded.reshape(tiles, TILE_ROWS // GROUP, GROUP, cols // nbytes, nbytes // 4, 4)
+    # (tile, group, row, block, chunk, byte) -> (tile, block, group, chunk, row, byte)
+    split = padded.reshape(tiles, TILE_ROWS // GROUP, GROUP, cols // nbytes, nbytes // CHUNK,
+                           CHUNK)
     return np.ascontiguousarray(split.transpose(0, 3, 1, 4, 2, 5)).reshape(tiles, -1)
 
 
 def gather_block_rows(tiles: np.ndarray, ids: np.ndarray | slice, nbytes: int) -> np.ndarray:
     """Block tiles -> rows `ids` of the untiled (N, nb * nbytes) matrix, a new array."""
     nb = tiles.shape[1] // (TILE_ROWS * nbytes)
-    t6 = tiles.reshape(-1, nb, TILE_ROWS // GROUP, nbytes // 4, GROUP, 4)
+    t6 = tiles.reshape(-1, nb, TILE_ROWS // GROUP, nbytes // CHUNK, GROUP, CHUNK)
     if isinstance(ids, slice):
         return t6.transpose(0, 2, 4, 1, 3, 5).reshape(-1, nb * nbytes)[ids]
     ids = np.asarray(ids)
     r = ids % TILE_ROWS  # advanced indices apart: their dimension comes first
-    return t6[ids // TILE_ROWS, :, r // GROUP, :, r % GROUP].reshape(len(ids), -1)
+    return t6[ids // TILE_ROWS, :, r // GROUP, :, r % GROUP].reshape(len(ids), nb * nbytes)
 
 
 def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
@@ -181,7 +183,7 @@ def block_dots_numpy(w: np.ndarray, xq: np.ndarray) -> np.ndarray:
 # --- the integer dot: 8 weight rows x one activation block -> 8 int32 ----------------------
 
 I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-V8 = ir.VectorType(I8, QK)  # one chunk vector: 4 bytes of each of 8 rows
+V8 = ir.VectorType(I8, CHUNK * GROUP)  # one chunk vector: 4 bytes of each of 8 rows
 V16, V32 = ir.VectorType(I16, QK // 2), ir.VectorType(I32, GROUP)
 
 
@@ -224,7 +226,8 @@ def _chunk_generic(builder, w, xb, unsigned):
     wide = builder.zext(w, v32) if unsigned else builder.sext(w, v32)
     prod = builder.mul(wide, builder.sext(xb, v32))
     parts = [builder.shuffle_vector(prod, ir.Constant(v32, None),
-                                    ir.Constant(V32, list(range(k, QK, 4)))) for k in range(4)]
+                                    ir.Constant(V32, list(range(k, QK, CHUNK))))
+             for k in range(CHUNK)]
     return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
 
 
@@ -251,23 +254,24 @@ def _dot_chunks(builder, chunks, xbs, unsigned, avx2):
     return res
 
 
-def _dot8(nibbles: bool, tokens: int, avx2: bool = AVX2):
-    """An intrinsic dot8(w, wo, x, xo, out, oo[, u, uo, out_u]): out[oo + r] = sum_j W_r[j] *
-    x[xo + j] for the 8 rows r of the group at w[wo:] (block tiles; nibbles: weights 0..15,
-    else int8); with tokens=2 also out_u[oo + r] for u[uo:], the weights loaded once."""
-    unit = QK // 2 if nibbles else QK
+def _dot8_codegen(tokens: int):
+    """Codegen of dot8 / dot8x2 for their literal (nibbles, avx2) arguments."""
 
     def codegen(context, builder, sig, args):
+        nibbles, avx2 = sig.args[-2].literal_value, sig.args[-1].literal_value
+        unit = QK // 2 if nibbles else QK
         w_t, w, wo = sig.args[0], args[0], args[1]
         raw = [builder.load(_ptr(context, builder, w_t, w,
                                  builder.add(wo, ir.Constant(wo.type, c * QK)), V8), align=1)
-               for c in range(unit // 4)]
+               for c in range(unit // CHUNK)]
         if nibbles:  # chunk c: weights 4c .. 4c + 3 (low nibbles), 16 + 4c .. (high)
             chunks = [builder.and_(v, _splat(V8, 0x0F)) for v in raw] \
                 + [builder.lshr(v, _splat(V8, 4)) for v in raw]
-            starts = [4 * c for c in range(unit // 4)] + [16 + 4 * c for c in range(unit // 4)]
+            starts = [CHUNK * c for c in range(unit // CHUNK)] \
+                + [QK // 2 + CHUNK * c for c in range(unit // CHUNK)]
         else:
-            chunks, starts = raw, [4 * c for c in range(unit // 4)]
+            chunks, starts = raw, [CHUNK * c for c in range(unit // CHUNK)]
+        # (activation array, offset, output array) per token; the outputs share offset oo
         for xa, xo, oa in ((2, 3, 4), (6, 7, 8))[:tokens]:
             xbs = [_broadcast(context, builder, sig.args[xa], args[xa], args[xo], j)
                    for j in starts]
@@ -276,22 +280,29 @@ def _dot8(nibbles: bool, tokens: int, avx2: bool = AVX2):
                           align=4)
         return context.get_dummy_value()
 
-    if tokens == 1:
-        @intrinsic
-        def dot8(typingctx, w, wo, x, xo, out, oo):
-            return types.void(w, wo, x, xo, out, oo), codegen
-
-        return dot8
-
-    @intrinsic
-    def dot8x2(typingctx, w, wo, x, xo, out, oo, u, uo, out_u):
-        return types.void(w, wo, x, xo, out, oo, u, uo, out_u), codegen
-
-    return dot8x2
+    return codegen
 
 
-_DOTS = {(nib, avx2): (_dot8(nib, 1, avx2), _dot8(nib, 2, avx2))
-         for nib in (False, True) for avx2 in {AVX2, False}}
+def _literal_flags(*flags) -> bool:
+    return all(isinstance(f, types.BooleanLiteral) for f in flags)
+
+
+@intrinsic
+def dot8(typingctx, w, wo, x, xo, out, oo, nibbles, avx2):
+    """out[oo + r] = sum_j W_r[j] x[xo + j] for the 8 rows r of the group at w[wo:] (block
+    tiles; nibbles: weights 0..15, else int8); nibbles and avx2 literal booleans (avx2=False:
+    the portable IR)."""
+    if not _literal_flags(nibbles, avx2):
+        return None
+    return types.void(w, wo, x, xo, out, oo, nibbles, avx2), _dot8_codegen(1)
+
+
+@intrinsic
+def dot8x2(typingctx, w, wo, x, xo, out, oo, u, uo, out_u, nibbles, avx2):
+    """dot8 for two tokens, x[xo:] -> out and u[uo:] -> out_u, the weights loaded once."""
+    if not _literal_flags(nibbles, avx2):
+        return None
+    return types.void(w, wo, x, xo, out, oo, u, uo, out_u, nibbles, avx2), _dot8_codegen(2)
 
 
 # --- the tile kernel, one for the three integer-path formats --------------------------------
@@ -303,26 +314,31 @@ OFFSET8 = 1  # Q4_0: (d_k * dx) * (isum_r - 8 xsum_b)   (weights stored 0..15, v
 MIN = 2  # Q4_1:    (d_k * dx) * isum_r + m_k * (dx * xsum_b)   (llama.cpp's q8_1 s = d sum q)
 
 
+@njit(cache=True, inline="always")
+def _add_terms(acc, d, m, b, dx, xs, isum, R, term):
+    """acc[r] += block b's term for the tile's rows r (term a constant of the caller, R rows)."""
+    for r in range(R):
+        k = b * R + r
+        if term == SCALE:
+            acc[r] += (d[k] * dx) * np.float32(isum[r])
+        elif term == OFFSET8:
+            acc[r] += (d[k] * dx) * np.float32(isum[r] - 8 * xs)
+        else:
+            acc[r] += (d[k] * dx) * np.float32(isum[r]) + m[k] * (dx * np.float32(xs))
+
+
 def tile_kernel(nibbles: bool, term: int, avx2: bool = AVX2):
     """The parallel integer-path kernel(xq, xd, xsum, q, d, m, out) for block tiles of int8
     weights (nibbles=False) or GGUF's packed nibbles, with one of the terms above (m is unused
     unless term == MIN: pass d). Threads split the tiles; tokens go in pairs, one weight load
     serving both, every operation of either token the one a lone token performs. avx2=False
-    builds the portable dots on any machine (the tests compare the two)."""
+    builds the portable dots on any machine (the tests compare the two).
+    The kernel's closure holds plain values only (numba's disk cache keys a closure by its
+    pickled cells, and an intrinsic or dispatcher object pickles differently in every process,
+    so a closure over one was compiled anew by every process: ~3 s of each int8 start)."""
     R = TILE_ROWS
     unit = QK // 2 if nibbles else QK  # bytes of one row's block
-    dot1, dot2 = _DOTS[nibbles, avx2]
-
-    @njit(cache=True, inline="always")
-    def add_terms(acc, d, m, b, dx, xs, isum):
-        for r in range(R):
-            k = b * R + r
-            if term == SCALE:
-                acc[r] += (d[k] * dx) * np.float32(isum[r])
-            elif term == OFFSET8:
-                acc[r] += (d[k] * dx) * np.float32(isum[r] - 8 * xs)
-            else:
-                acc[r] += (d[k] * dx) * np.float32(isum[r]) + m[k] * (dx * np.float32(xs))
+    nibbles, avx2 = bool(nibbles), bool(avx2)
 
     @njit(parallel=True, cache=True, nogil=True)
     def kernel(xq, xd, xsum, q, d, m, out):
@@ -339,9 +355,11 @@ def tile_kernel(nibbles: bool, term: int, avx2: bool = AVX2):
                 for b in range(K // QK):
                     o, k0 = b * R * unit, b * QK
                     for g in range(0, R, GROUP):  # the tile's rows, GROUP at a time
-                        dot2(q[i], o + g * unit, xq[t], k0, isum, g, xq[t + 1], k0, isum_u)
-                    add_terms(acc, d[i], m[i], b, xd[t, b], xsum[t, b], isum)
-                    add_terms(acc_u, d[i], m[i], b, xd[t + 1, b], xsum[t + 1, b], isum_u)
+                        dot8x2(q[i], o + g * unit, xq[t], k0, isum, g, xq[t + 1], k0, isum_u,
+                               nibbles, avx2)
+                    _add_terms(acc, d[i], m[i], b, xd[t, b], xsum[t, b], isum, R, term)
+                    _add_terms(acc_u, d[i], m[i], b, xd[t + 1, b], xsum[t + 1, b], isum_u, R,
+                               term)
                 out[t, n0:n0 + lanes] = acc[:lanes]
                 out[t + 1, n0:n0 + lanes] = acc_u[:lanes]
             if T % 2:
@@ -350,8 +368,8 @@ def tile_kernel(nibbles: bool, term: int, avx2: bool = AVX2):
                 for b in range(K // QK):
                     o, k0 = b * R * unit, b * QK
                     for g in range(0, R, GROUP):
-                        dot1(q[i], o + g * unit, xq[t], k0, isum, g)
-                    add_terms(acc, d[i], m[i], b, xd[t, b], xsum[t, b], isum)
+                        dot8(q[i], o + g * unit, xq[t], k0, isum, g, nibbles, avx2)
+                    _add_terms(acc, d[i], m[i], b, xd[t, b], xsum[t, b], isum, R, term)
                 out[t, n0:n0 + lanes] = acc[:lanes]
 
     return kernel

@@ -45,6 +45,7 @@ class IntTiles(NamedTuple):
     m: np.ndarray  # the same for the offset as added (c_s or -c_s); (n_tiles, 0) without one
 
 
+# keyed by (has an offset, packed nibbles)
 _KERNELS = {(False, False): int8.tile_kernel(nibbles=False, term=int8.SCALE),
             (True, False): int8.tile_kernel(nibbles=False, term=int8.MIN),
             (True, True): int8.tile_kernel(nibbles=True, term=int8.MIN)}
@@ -112,10 +113,10 @@ def _matmul_numpy(has_m: bool, nibbles: bool, x: np.ndarray, tiles: IntTiles,
 
 
 def codec(qtype: QType, fields: Callable[[np.ndarray], Fields], offset: Offset,
-          dequantize: Callable[[np.ndarray], np.ndarray]) -> Codec:
-    """The int8-path Codec of a format with sub-blocks of 32 (its float codec's dequantize)."""
+          dequantize: Callable[[np.ndarray], np.ndarray], nibbles: bool = False) -> Codec:
+    """The int8-path Codec of a format with sub-blocks of 32 (its float codec's dequantize);
+    nibbles: its quants are 0..15, kept packed two to a byte."""
     has_m = offset is not Offset.NONE
-    nibbles = qtype is QType.Q4_K  # the one format here whose q is 4 bits, 0..15
     return Codec(qtype, np.dtype(np.uint8), dequantize, partial(_repack, fields, offset, nibbles),
                  partial(_unpack_rows, offset, nibbles), partial(_matmul, has_m, nibbles),
                  partial(_matmul_numpy, has_m, nibbles))

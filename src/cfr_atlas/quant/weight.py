@@ -23,17 +23,19 @@ CODECS: dict[QType, Codec] = {
     c.qtype: c
     for c in (q8_0.CODEC, q4_0.CODEC, q4_1.CODEC, *q5.CODECS, *kquants.CODECS, *floats.CODECS)
 }
-# the sub-block formats whose sub-block is the activation block of 32 (int8_fields.py); Q6_K,
-# Q2_K and Q3_K (sub-blocks of 16) keep their float codec under int8
-INT8_FIELDS = {QType.Q5_0: (q5.q5_0_fields, Offset.NONE), QType.Q5_1: (q5.q5_1_fields, Offset.ADD),
-               QType.IQ4_NL: (q5.iq4_nl_fields, Offset.NONE),
-               QType.Q4_K: (kquants.q4_k_fields, Offset.SUBTRACT),
-               QType.Q5_K: (kquants.q5_k_fields, Offset.SUBTRACT)}
+# the sub-block formats whose sub-block is the activation block of 32 (int8_fields.py): fields,
+# offset, and whether the quants are 4-bit (0..15: packed two to a byte); Q6_K, Q2_K and Q3_K
+# (sub-blocks of 16) keep their float codec under int8
+INT8_FIELDS = {QType.Q5_0: (q5.q5_0_fields, Offset.NONE, False),
+               QType.Q5_1: (q5.q5_1_fields, Offset.ADD, False),
+               QType.IQ4_NL: (q5.iq4_nl_fields, Offset.NONE, False),
+               QType.Q4_K: (kquants.q4_k_fields, Offset.SUBTRACT, True),
+               QType.Q5_K: (kquants.q5_k_fields, Offset.SUBTRACT, False)}
 INT8_CODECS: dict[QType, Codec] = {
     **CODECS,
     **{c.qtype: c for c in (q8_0.INT8, q4_0.INT8, q4_1.INT8)},
-    **{qt: int8_fields.codec(qt, f, off, CODECS[qt].dequantize)
-       for qt, (f, off) in INT8_FIELDS.items()},
+    **{qt: int8_fields.codec(qt, f, off, CODECS[qt].dequantize, nibbles)
+       for qt, (f, off, nibbles) in INT8_FIELDS.items()},
 }
 ARITHMETIC: dict[str, dict[QType, Codec]] = {"float": CODECS, "int8": INT8_CODECS}
 
