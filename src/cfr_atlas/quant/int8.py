@@ -44,6 +44,8 @@ Not here: the repacks and NumPy twins (the format modules), shape checks (weight
 
 from __future__ import annotations
 
+import functools
+
 import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
@@ -173,6 +175,18 @@ def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
     return q.reshape(*packed.shape[:-1], -1)
 
 
+def pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """The inverse of unpack_nibbles: (rows, nb * 32) values 0..15 (any 1-byte dtype) ->
+    (rows, nb * 16) uint8, byte j of a block holding q[j] low and q[j + 16] high (GGUF's Q4_0)."""
+    b = q.view(np.uint8).reshape(q.shape[0], -1, QK)
+    return (b[..., :QK // 2] | (b[..., QK // 2:] << np.uint8(4))).reshape(q.shape[0], -1)
+
+
+def gather_nibble_rows(tiles: np.ndarray, ids: np.ndarray | slice) -> np.ndarray:
+    """Block tiles of packed nibbles -> rows `ids` as (n, nb * 32) uint8 values 0..15."""
+    return unpack_nibbles(gather_block_rows(tiles, ids, QK // 2))
+
+
 def block_dots_numpy(w: np.ndarray, xq: np.ndarray) -> np.ndarray:
     """w (N, nb * QK) integers, xq (T, nb * QK) int8 -> (T, N, nb) int64 exact block dots."""
     n, t = w.shape[0], xq.shape[0]
@@ -228,30 +242,26 @@ def _chunk_generic(builder, w, xb, unsigned):
     parts = [builder.shuffle_vector(prod, ir.Constant(v32, None),
                                     ir.Constant(V32, list(range(k, QK, CHUNK))))
              for k in range(CHUNK)]
-    return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+    return _sum(builder, parts)
+
+
+def _sum(builder, vectors):
+    """Lane-wise integer sum of a list of vectors (exact: the order is free)."""
+    return functools.reduce(builder.add, vectors)
 
 
 def _dot_chunks(builder, chunks, xbs, unsigned, avx2):
     """Chunk vectors (each with its broadcast activations) -> <8 x i32> dots of the 8 rows."""
+    pairs = list(zip(chunks, xbs, strict=True))
     if not avx2:
-        res = None
-        for w, xb in zip(chunks, xbs, strict=True):
-            part = _chunk_generic(builder, w, xb, unsigned)
-            res = part if res is None else builder.add(res, part)
-        return res
+        return _sum(builder, [_chunk_generic(builder, w, xb, unsigned) for w, xb in pairs])
     if unsigned:  # nibbles: 8 chunks of 0..15 weights, summed in int16 without overflow
-        s16 = None
-        for w, xb in zip(chunks, xbs, strict=True):
-            p = _madd_avx2(builder, w, xb)
-            s16 = p if s16 is None else builder.add(s16, p)
-        return _widen_avx2(builder, s16)
-    res = None  # int8: |w| x (x with w's sign), the unsigned x signed instruction, exactly
-    for w, xb in zip(chunks, xbs, strict=True):
-        p = _madd_avx2(builder, _x86(builder, "llvm.x86.avx2.psign.b", V8, w, w),
-                       _x86(builder, "llvm.x86.avx2.psign.b", V8, xb, w))
-        part = _widen_avx2(builder, p)
-        res = part if res is None else builder.add(res, part)
-    return res
+        return _widen_avx2(builder, _sum(builder, [_madd_avx2(builder, w, xb)
+                                                   for w, xb in pairs]))
+    # int8: |w| x (x with w's sign), the unsigned x signed instruction, exactly
+    return _sum(builder, [_widen_avx2(builder, _madd_avx2(
+        builder, _x86(builder, "llvm.x86.avx2.psign.b", V8, w, w),
+        _x86(builder, "llvm.x86.avx2.psign.b", V8, xb, w))) for w, xb in pairs])
 
 
 def _dot8_codegen(tokens: int):

@@ -52,14 +52,6 @@ _KERNELS = {(False, False): int8.tile_kernel(nibbles=False, term=int8.SCALE),
 HALF = QK // 2
 
 
-def _pack_nibbles(q: np.ndarray) -> np.ndarray:
-    """q (rows, nb * QK) values 0..15 -> (rows, nb * 16) uint8, GGUF's Q4_0 packing: byte j of
-    a block holds q[j] in its low nibble and q[j + 16] in its high one (int8.unpack_nibbles
-    undoes it)."""
-    b = q.view(np.uint8).reshape(q.shape[0], -1, QK)
-    return (b[..., :HALF] | (b[..., HALF:] << np.uint8(4))).reshape(q.shape[0], -1)
-
-
 def _repack(fields: Callable[[np.ndarray], Fields], offset: Offset, nibbles: bool,
             raw: np.ndarray) -> IntTiles:
     a, c, q = fields(raw)
@@ -69,14 +61,14 @@ def _repack(fields: Callable[[np.ndarray], Fields], offset: Offset, nibbles: boo
     else:
         m = to_tiles(-c if offset is Offset.SUBTRACT else c)
     if nibbles:
-        return IntTiles(int8.to_block_tiles(_pack_nibbles(q), HALF), d, m)
+        return IntTiles(int8.to_block_tiles(int8.pack_nibbles(q), HALF), d, m)
     return IntTiles(int8.to_block_tiles(q, QK), d, m)
 
 
 def _weights(nibbles: bool, tiles: IntTiles, ids: np.ndarray | slice) -> np.ndarray:
     """Rows `ids` of the quants q as int8 (rows, nb * QK)."""
     if nibbles:
-        return int8.unpack_nibbles(int8.gather_block_rows(tiles.q, ids, HALF)).view(np.int8)
+        return int8.gather_nibble_rows(tiles.q, ids).view(np.int8)
     return int8.gather_block_rows(tiles.q, ids, QK).view(np.int8)
 
 

@@ -75,7 +75,7 @@ def int_repack(raw: np.ndarray) -> IntTiles:
 def int_unpack_rows(tiles: IntTiles, ids: np.ndarray | slice,
                     out: np.ndarray | None = None) -> np.ndarray:
     """Rows `ids` of the dequantized matrix: (len(ids), K) float32 == dequantize(raw)[ids]."""
-    q = int8.unpack_nibbles(int8.gather_block_rows(tiles.q, ids, HALF)).view(np.int8) - OFFSET
+    q = int8.gather_nibble_rows(tiles.q, ids).view(np.int8) - OFFSET
     d = gather_rows(tiles.d, ids)
     return q8_0.values(d, q, np.empty(q.shape, dtype=np.float32) if out is None else out)
 
@@ -93,7 +93,7 @@ def int_matmul_numpy(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
     """The NumPy twin of `int_matmul`: the same quantization, exact block dots, the same float32
     operations in the same block order."""
     xq, xd, xsum = int8.quantize_numpy(x)
-    w = int8.unpack_nibbles(int8.gather_block_rows(tiles.q, slice(None), HALF))
+    w = int8.gather_nibble_rows(tiles.q, slice(None))
     dots = int8.block_dots_numpy(w, xq) - 8 * xsum[:, None, :]  # (T, N padded, nb) exact
     dots = dots.astype(np.float32)  # exact: |isum - 8 xsum| < 2**24
     d = gather_rows(tiles.d, slice(None))

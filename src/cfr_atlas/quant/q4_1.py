@@ -97,7 +97,7 @@ def int_repack(raw: np.ndarray) -> IntTiles:
 def int_unpack_rows(tiles: IntTiles, ids: np.ndarray | slice,
                     out: np.ndarray | None = None) -> np.ndarray:
     """Rows `ids` of the dequantized matrix: (len(ids), K) float32 == dequantize(raw)[ids]."""
-    q = int8.unpack_nibbles(int8.gather_block_rows(tiles.q, ids, HALF))
+    q = int8.gather_nibble_rows(tiles.q, ids)
     d, m = gather_rows(tiles.d, ids), gather_rows(tiles.m, ids)
     return _values(d, m, q, np.empty(q.shape, dtype=np.float32) if out is None else out)
 
@@ -115,7 +115,7 @@ def int_matmul_numpy(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
     """The NumPy twin of `int_matmul`: the same quantization, exact block dots, the same float32
     operations in the same block order."""
     xq, xd, xsum = int8.quantize_numpy(x)
-    w = int8.unpack_nibbles(int8.gather_block_rows(tiles.q, slice(None), HALF))
+    w = int8.gather_nibble_rows(tiles.q, slice(None))
     dots = int8.block_dots_numpy(w, xq).astype(np.float32)  # exact: |isum| < 2**24
     sx = xd * xsum.astype(np.float32)  # (T, nb)
     d, m = gather_rows(tiles.d, slice(None)), gather_rows(tiles.m, slice(None))
