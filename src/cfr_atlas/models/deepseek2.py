@@ -262,7 +262,7 @@ class DeepSeek2Model:
         self.config = c = DeepSeek2Config.from_gguf(gf)
         self.matmul = check_arithmetic(matmul)
         self.experts = expert_store(gf, c, matmul)
-        self.embed_w, self.output, self.output_norm = embed_and_head(gf, c)
+        self.embed_w, self.output, self.output_norm = embed_and_head(gf, c, matmul)
         self.layers = [_Layer(gf, c, i, matmul, self.experts) for i in range(c.n_layers)]
         link_layers([lay.ffn for lay in self.layers])
         if c.yarn is None:
@@ -344,7 +344,7 @@ class DeepSeek2Model:
         if not output:
             return None
         x = rms_norm(x if all_logits else x[-1:], self.output_norm, c.norm_eps)
-        return x if hidden else self.output.matmul(x)
+        return x if hidden else self.output.matmul_refined(x)
 
     def forward_batch(self, items: list[BatchItem]) -> list:
         """Items one after another (exact; the weights stream once per item)."""

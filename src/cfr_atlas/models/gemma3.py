@@ -144,10 +144,10 @@ class _Layer:
 
 class Gemma3Weights:
     """All weights of a Gemma 3 model, quantized as stored in the GGUF; `matmul` is the layers'
-    arithmetic, the embedding and output head stay float (as for Llama, see LlamaWeights)."""
+    arithmetic, the output head applied with matmul_refined (as for Llama, see LlamaWeights)."""
 
     def __init__(self, gf: GGUFFile, cfg: Gemma3Config, matmul: str = "float"):
-        self.embed, self.output, self.output_norm = embed_and_head(gf, cfg)
+        self.embed, self.output, self.output_norm = embed_and_head(gf, cfg, matmul)
         self.layers = [_Layer(gf, i, matmul) for i in range(cfg.n_layers)]
 
 
@@ -221,7 +221,7 @@ class Gemma3Model:
     def head(self, h: np.ndarray) -> np.ndarray:
         """Logits, soft-capped when the file sets final_logit_softcapping."""
         c = self.config
-        logits = self.weights.output.matmul(h)
+        logits = self.weights.output.matmul_refined(h)
         return softcap(logits, c.final_softcap) if c.final_softcap > 0 else logits
 
     def forward_batch(self, items: list[BatchItem]) -> list:

@@ -274,27 +274,30 @@ def _matmul(w, x: np.ndarray) -> np.ndarray:
     return w.matmul(x)
 
 
-def embed_and_head(gf: GGUFFile, cfg) -> tuple[QuantWeight, QuantWeight, np.ndarray]:
+def embed_and_head(gf: GGUFFile, cfg, matmul: str = "float"
+                   ) -> tuple[QuantWeight, QuantWeight, np.ndarray]:
     """The token embedding (checked against vocab_size x dim), the output head (the embedding
-    when the file ties them) and the final norm; both matrices float arithmetic, whatever the
-    layers use (see LlamaWeights)."""
-    embed = _weight(gf, "token_embd.weight", "float")
+    when the file ties them: one copy) and the final norm, both in the layers' arithmetic. Row
+    reads give the same bits in either; the head is applied with `matmul_refined` (LlamaWeights)."""
+    embed = _weight(gf, "token_embd.weight", matmul)
     if embed.shape != (cfg.vocab_size, cfg.dim):
         raise ModelFormatError(f"token_embd.weight is {embed.shape}, expected "
                                f"({cfg.vocab_size}, {cfg.dim})")
-    output = (_weight(gf, "output.weight", "float") if "output.weight" in gf.tensors
+    output = (_weight(gf, "output.weight", matmul) if "output.weight" in gf.tensors
               else embed)
     return embed, output, gf.tensor_f32("output_norm.weight")
 
 
 class LlamaWeights:
     """All weights of a Llama-family model, quantized as stored in the GGUF; matmul names the
-    arithmetic of the layers' products ("float" or "int8", see quant.weight.ARITHMETIC). The
-    embedding and output head stay float: an int8 head cost argmax agreement with HF (96.9%
-    against 97.2% over 900 positions, measured), and prefill runs the head on one row only."""
+    arithmetic of the products ("float" or "int8", see quant.weight.ARITHMETIC). Under int8 the
+    output head takes `QuantWeight.matmul_refined` (~15-bit activations in two integer passes):
+    plain 8-bit activations there cost argmax agreement with HF (96.9% against 97.2% over 900
+    positions of the bundled model, measured), while the head is most of a decode token's
+    weight bytes in files with large vocabularies (Gemma 3: 63%)."""
 
     def __init__(self, gf: GGUFFile, cfg: LlamaConfig, matmul: str = "float", store=None):
-        self.embed, self.output, self.output_norm = embed_and_head(gf, cfg)
+        self.embed, self.output, self.output_norm = embed_and_head(gf, cfg, matmul)
         self.layers = [_Layer(gf, cfg, i, matmul, store) for i in range(cfg.n_layers)]
         link_layers([lay.ffn for lay in self.layers])
 
@@ -438,7 +441,7 @@ class LlamaModel:
         return rms_norm(x, self.weights.output_norm, self.config.norm_eps)
 
     def head(self, h: np.ndarray) -> np.ndarray:
-        return self.weights.output.matmul(h)
+        return self.weights.output.matmul_refined(h)
 
     def forward_chunk(self, session, ids: np.ndarray, *, all_logits: bool = True,
                       hidden: bool = False, output: bool = True) -> np.ndarray | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cfr_atlas.errors import ConfigError, DimensionError
-from cfr_atlas.quant import floats, int8_fields, kquants, q4_0, q4_1, q5, q8_0
+from cfr_atlas.quant import floats, int8, int8_fields, kquants, q4_0, q4_1, q5, q8_0
 from cfr_atlas.quant.formats import Codec, QType, qtype_from_gguf, row_bytes
 from cfr_atlas.quant.subblock import Offset
 
@@ -120,12 +120,29 @@ class QuantWeight:
 
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """x: (T, K) float32 -> (T, N) float32, x @ W.T; row t equals matvec(x[t]) bitwise."""
-        n, k = self.shape
-        if not isinstance(x, np.ndarray) or x.ndim != 2:
-            raise DimensionError(f"{self.name}: x must be float32 (T, {k}), got {_describe(x)}")
-        self._check("x", x, (x.shape[0], k))
-        out = self._output(out, (x.shape[0], n))
+        out = self._output(out, (self._rows_of(x), self.shape[0]))
         self.codec.matmul(x, self.tiles, out)
+        return out
+
+    @property
+    def integer(self) -> bool:
+        """True when products take the integer path (int8 activations, int8.py): the int8
+        arithmetic and a format that has one."""
+        return self.codec is not CODECS[self.qtype]
+
+    def matmul_refined(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """matmul, with activations to ~15 bits on the integer path: x and its quantization
+        residual (int8.with_residual) go through the kernel as one (2T, K) batch, the weights
+        streamed once for both, and out[t] = y[2t] + y[2t + 1]. Row t depends on x[t] only.
+        Same as matmul off the integer path. For the output head, where 8-bit activations
+        cost argmax agreement (docs/CONFORMANCE.md)."""
+        if not self.integer:
+            return self.matmul(x, out)
+        T, n = self._rows_of(x), self.shape[0]
+        out = self._output(out, (T, n))
+        pair = np.empty((2 * T, n), dtype=np.float32)
+        self.codec.matmul(int8.with_residual(x), self.tiles, pair)
+        np.add(pair[0::2], pair[1::2], out=out)
         return out
 
     def rows(self, ids, out: np.ndarray | None = None) -> np.ndarray:
@@ -147,6 +164,14 @@ class QuantWeight:
         if out is not None:
             self._check("out", out, self.shape)
         return self.codec.unpack_rows(self.tiles, slice(0, self.shape[0]), out)
+
+    def _rows_of(self, x) -> int:
+        """T of a valid x (T, K) float32 C-contiguous, else DimensionError."""
+        k = self.shape[1]
+        if not isinstance(x, np.ndarray) or x.ndim != 2:
+            raise DimensionError(f"{self.name}: x must be float32 (T, {k}), got {_describe(x)}")
+        self._check("x", x, (x.shape[0], k))
+        return x.shape[0]
 
     def _check(self, what: str, a, shape: tuple[int, ...]) -> None:
         if (not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != shape
