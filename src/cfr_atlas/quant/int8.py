@@ -340,17 +340,59 @@ OFFSET8 = 1  # Q4_0: (d_k * dx) * (isum_r - 8 xsum_b)   (weights stored 0..15, v
 MIN = 2  # Q4_1:    (d_k * dx) * isum_r + m_k * (dx * xsum_b)   (llama.cpp's q8_1 s = d sum q)
 
 
+F32 = ir.FloatType()
+VF = ir.VectorType(F32, GROUP)
+
+
+def _splat_value(builder, vec, x):
+    """A scalar repeated across a vector type's lanes."""
+    one = builder.insert_element(ir.Constant(vec, None), x, ir.Constant(I32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vec, None), ir.Constant(V32, [0] * GROUP))
+
+
+def _term8_codegen(context, builder, sig, args):
+    """acc[ao + r] += the block term of rows r = 0..7 (the scalar rule of _add_terms, lane by
+    lane: the same IEEE float32 operations in the same order, no fast-math flags, so no
+    contraction into FMA and the same bits as one row at a time)."""
+    acc_t, d_t, m_t, isum_t = sig.args[0], sig.args[2], sig.args[3], sig.args[7]
+    acc, ao, d, m, k, dx, xs, isum, io = args[:9]
+    term = sig.args[9].literal_value
+    dot = builder.load(_ptr(context, builder, isum_t, isum, io, V32), align=4)
+    if term == OFFSET8:  # isum - 8 xs, exact in int32 (|isum| <= 32 * 15 * 127)
+        eight_xs = builder.mul(builder.trunc(xs, I32) if xs.type != I32 else xs,
+                               ir.Constant(I32, 8))
+        dot = builder.sub(dot, _splat_value(builder, V32, eight_xs))
+    scaled = builder.fmul(builder.load(_ptr(context, builder, d_t, d, k, VF), align=4),
+                          _splat_value(builder, VF, dx))
+    t = builder.fmul(scaled, builder.sitofp(dot, VF))
+    if term == MIN:  # + m_k * (dx * xs)
+        dxs = builder.fmul(dx, builder.sitofp(xs, F32))
+        t = builder.fadd(t, builder.fmul(builder.load(_ptr(context, builder, m_t, m, k, VF),
+                                                      align=4), _splat_value(builder, VF, dxs)))
+    p = _ptr(context, builder, acc_t, acc, ao, VF)
+    builder.store(builder.fadd(builder.load(p, align=4), t), p, align=4)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def term8(typingctx, acc, ao, d, m, k, dx, xs, isum, io, term):
+    """acc[ao + r] += block term for 8 rows r: d[k + r], m[k + r] (MIN only), the activation
+    block's dx (float32) and xs (its integer sum), isum[io + r] the rows' int32 dots; term a
+    literal SCALE / OFFSET8 / MIN."""
+    if not isinstance(term, types.IntegerLiteral) or dx != types.float32:
+        return None
+    return types.void(acc, ao, d, m, k, dx, xs, isum, io, term), _term8_codegen
+
+
 @njit(cache=True, inline="always")
 def _add_terms(acc, d, m, b, dx, xs, isum, R, term):
-    """acc[r] += block b's term for the tile's rows r (term a constant of the caller, R rows)."""
-    for r in range(R):
-        k = b * R + r
-        if term == SCALE:
-            acc[r] += (d[k] * dx) * np.float32(isum[r])
-        elif term == OFFSET8:
-            acc[r] += (d[k] * dx) * np.float32(isum[r] - 8 * xs)
-        else:
-            acc[r] += (d[k] * dx) * np.float32(isum[r]) + m[k] * (dx * np.float32(xs))
+    """acc[r] += block b's term for the tile's rows r (term a constant of the caller, R rows):
+        SCALE   (d[k] * dx) * float32(isum[r])
+        OFFSET8 (d[k] * dx) * float32(isum[r] - 8 xs)
+        MIN     (d[k] * dx) * float32(isum[r]) + m[k] * (dx * float32(xs))
+    with k = b * R + r, GROUP rows per term8 call."""
+    for g in range(0, R, GROUP):
+        term8(acc, g, d, m, b * R + g, dx, xs, isum, g, term)
 
 
 def tile_kernel(nibbles: bool, term: int, avx2: bool = AVX2):
