@@ -13,12 +13,13 @@ from quant_data import BLOCK_FORMATS, assert_bits_equal, edge_raw, quantized, re
 from cfr_atlas.errors import ConfigError
 from cfr_atlas.quant import QType, QuantWeight, int8, q4_0, q4_1, q8_0
 from cfr_atlas.quant.tiles import TILE_ROWS, to_tiles
-from cfr_atlas.quant.weight import CODECS, INT8_CODECS, INT8_FIELDS
+from cfr_atlas.quant.weight import CODECS, INT8_CODECS, INT8_FIELDS, INT8_SUB16
 
 # the formats with their own integer path (the others keep their float codec under int8, tested
-# below); EVERY_INT8 adds those of int8_fields.py (test_quant_int8_fields.py tests the rest)
+# below); EVERY_INT8 adds those of int8_fields.py and int8_sub16.py (test_quant_int8_fields.py
+# and test_quant_int8_sub16.py test the rest)
 INT8_FORMATS = {q: BLOCK_FORMATS[q] for q in (QType.Q8_0, QType.Q4_0, QType.Q4_1)}
-EVERY_INT8 = [*INT8_FORMATS, *INT8_FIELDS]
+EVERY_INT8 = [*INT8_FORMATS, *INT8_FIELDS, *INT8_SUB16]
 
 KERNELS = {QType.Q8_0: q8_0._int_kernel, QType.Q4_0: q4_0._int_kernel,
            QType.Q4_1: q4_1._int_kernel}
@@ -301,15 +302,17 @@ def test_integer_kernels_load_from_numba_cache_in_a_new_process():
 
     code = """
 import numpy as np
-from cfr_atlas.quant import q4_0, q4_1, q8_0, int8_fields
-x = np.ones((1, 64), dtype=np.float32)
+from cfr_atlas.quant import int8, int8_fields, int8_sub16, q4_0, q4_1, q8_0
+xq, xd, xsum = int8.quantize(np.ones((1, 64), dtype=np.float32))
+q = np.zeros((1, 2 * 32 * 32), dtype=np.uint8)
+d = np.zeros((1, 2 * 32), dtype=np.float32)
+out = np.empty((1, 32), dtype=np.float32)
 kernels = [q4_0._int_kernel, q4_1._int_kernel, q8_0._int_kernel,
            *int8_fields._KERNELS.values()]
 for k in kernels:
-    xq, xd, xsum = __import__("cfr_atlas.quant.int8", fromlist=["x"]).quantize(x)
-    q = np.zeros((1, 2 * 32 * 32), dtype=np.uint8)
-    d = np.zeros((1, 2 * 32), dtype=np.float32)
-    k(xq, xd, xsum, q, d, d, np.empty((1, 32), dtype=np.float32))
+    k(xq, xd, xsum, q, d, d, out)
+int8_sub16.KERNEL(xq, xd, q.view(np.int8), np.zeros((1, 2 * 64), dtype=np.int8), d, out)
+kernels.append(int8_sub16.KERNEL)
 print(sum(k.stats.cache_misses.get(s, 0) for k in kernels for s in k.signatures))
 """
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -2,7 +2,8 @@
 Q5_1, IQ4_NL, Q4_K, Q5_K: kernels bit for bit equal to their NumPy twins at K-quant shapes and
 the integer SIMD in the emitted assembly. Edge scales and non-finite activations, reads equal
 to gguf-py's values, batch invariance and the error bound against float64 run for them in
-test_quant_int8.py (EVERY_INT8). Q6_K, Q2_K and Q3_K keep their float codec (tested below)."""
+test_quant_int8.py (EVERY_INT8). Q6_K and Q3_K (sub-blocks of 16) are test_quant_int8_sub16.py's;
+Q2_K keeps its float codec (tested there)."""
 
 import numba
 import numpy as np
@@ -25,8 +26,8 @@ def test_the_formats_with_sub_blocks_of_32_have_an_integer_codec():
     assert set(FORMATS) == {QType.Q5_0, QType.Q5_1, QType.IQ4_NL, QType.Q4_K, QType.Q5_K}
     for qt in FORMATS:
         assert INT8_CODECS[qt] is not CODECS[qt]
-    for qt in (QType.Q6_K, QType.Q2_K, QType.Q3_K):  # sub-blocks of 16: float under int8
-        assert INT8_CODECS[qt] is CODECS[qt]
+    for qt in (QType.Q6_K, QType.Q2_K, QType.Q3_K):  # sub-blocks of 16: not this module's
+        assert qt not in INT8_FIELDS
 
 
 @pytest.mark.parametrize("qtype", FORMATS)

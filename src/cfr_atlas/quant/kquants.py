@@ -1,7 +1,8 @@
 """The K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K: 256-weight super-blocks with per-sub-block scales
 (what Q4_K_M files are mostly made of). Each unpacks its bytes into subblock.Fields, folding the
 super-block scale into float32 sub-block scales at load time; layout, kernels, twin and row reader
-are subblock.py's.
+are subblock.py's. Q6_K and Q3_K also unpack into `SuperScaled` (d and the integer sub-block
+scales apart), what their integer path keeps (int8_sub16.py).
 
 Not here: kernels of their own, shape checks (weight.py), quantization.
 """
@@ -27,6 +28,8 @@ Not here: kernels of their own, shape checks (weight.py), quantization.
 #   minus 32. w = (d * sc_s) * q.
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -98,10 +101,27 @@ def q5_k_fields(raw: np.ndarray) -> Fields:
     return Fields(*_k4_scales(blocks), q.view(np.int8))
 
 
-def q6_k_fields(raw: np.ndarray) -> Fields:
+class SuperScaled(NamedTuple):
+    """Q6_K's or Q3_K's bytes unpacked, scales not yet multiplied: w = (d * sc_s) * q."""
+
+    d: np.ndarray  # (rows, nb) f16 super-block scales
+    sc: np.ndarray  # (rows, nb, 16) int8 sub-block scales, one per 16 weights
+    q: np.ndarray  # (rows, nb * 256) int8 weights
+
+
+def _fields(s: SuperScaled) -> Fields:
+    return Fields(_scaled(s.d, s.sc), None, s.q)
+
+
+def q6_k_scaled(raw: np.ndarray) -> SuperScaled:
+    """sc in -128..127, q in -32..31."""
     blocks = _view(raw, Q6_K_BLOCK)
     q = _planes(blocks["ql"], 64, 4) | (_planes(blocks["qh"], 32, 2) << np.uint8(4))
-    return Fields(_scaled(blocks["d"], blocks["scales"]), None, q.view(np.int8) - np.int8(32))
+    return SuperScaled(blocks["d"], blocks["scales"], q.view(np.int8) - np.int8(32))
+
+
+def q6_k_fields(raw: np.ndarray) -> Fields:
+    return _fields(q6_k_scaled(raw))
 
 
 def q2_k_fields(raw: np.ndarray) -> Fields:
@@ -111,14 +131,19 @@ def q2_k_fields(raw: np.ndarray) -> Fields:
     return Fields(a, c, _planes(blocks["qs"], 32, 2).view(np.int8))
 
 
-def q3_k_fields(raw: np.ndarray) -> Fields:
+def q3_k_scaled(raw: np.ndarray) -> SuperScaled:
+    """sc in -32..31, q in -4..3."""
     blocks = _view(raw, Q3_K_BLOCK)
     b = blocks["scales"]
     sc = _planes(b[..., :8], 8, 4) | (_planes(b[..., 8:], 4, 2) << np.uint8(4))
     sc = sc.reshape(b.shape[:2] + (-1,)).view(np.int8) - np.int8(32)
     low = _planes(blocks["qs"], 32, 2).view(np.int8)
     high = _planes(blocks["hmask"], 32, 1).view(np.int8)
-    return Fields(_scaled(blocks["d"], sc), None, low - ((np.int8(1) - high) << np.int8(2)))
+    return SuperScaled(blocks["d"], sc, low - ((np.int8(1) - high) << np.int8(2)))
+
+
+def q3_k_fields(raw: np.ndarray) -> Fields:
+    return _fields(q3_k_scaled(raw))
 
 
 CODECS = (
