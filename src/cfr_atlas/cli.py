@@ -69,9 +69,9 @@ def _matmul_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matmul", default="float", choices=["float", "int8"],
                    help="weight products: float32 activations (default) or int8-quantized "
                         "activations with integer dot products, as llama.cpp; int8 covers "
-                        "Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K and Q5_K weights (the "
-                        "output head with ~15-bit activations in two integer passes); Q6_K, "
-                        "Q2_K and Q3_K stay float")
+                        "Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q3_K, Q4_K, Q5_K and Q6_K "
+                        "weights (the output head with ~15-bit activations in two integer "
+                        "passes); Q2_K stays float")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -37,8 +37,8 @@ def load_model(path: str | os.PathLike | None = None, *,
 
     matmul: "float" (float32 activations times the dequantized weights) or "int8" (activations
     quantized to int8 per 32-element block, integer block dots, as llama.cpp; Q4_0, Q4_1,
-    Q8_0, Q5_0, Q5_1, IQ4_NL, Q4_K and Q5_K weights, the output head with ~15-bit activations
-    in two integer passes; Q6_K, Q2_K and Q3_K stay float). Both are batch invariant bit for bit.
+    Q8_0, Q5_0, Q5_1, IQ4_NL, Q3_K, Q4_K, Q5_K and Q6_K weights, the output head with ~15-bit
+    activations in two integer passes; Q2_K stays float). Both are batch invariant bit for bit.
 
     prefix_cache: a folder for the persistent prefix cache (True: the per-user default,
     ~/.cache/cfr-atlas/prefix); prompts that start with cached whole blocks skip recomputing

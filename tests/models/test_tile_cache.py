@@ -69,6 +69,27 @@ def test_mapped_tiles_are_the_repacked_ones(mixed, tmp_path, matmul):
                if isinstance(a, np.ndarray))  # copy-on-write: the kernels' array types
 
 
+def test_k_quant_int8_tiles_map_back(tmp_path):
+    """The tiny files hold no K-quants (gguf-py cannot quantize them): Q6_K's int8 tiles
+    (int8_sub16.IntTiles: int8 weights and scales, float32 d) through the cache by hand."""
+    from cfr_atlas.quant import QType, QuantWeight
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(40, 2 * 210), dtype=np.uint8)  # 2 Q6_K super-blocks a row
+    raw.view(np.float16)[:, 104::105] = np.float16(0.01)  # each block's d, its last 2 bytes
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    for second in (False, True):  # the first load repacks and writes, the second maps
+        cache = tile_cache.TileCache(tmp_path, "k" * 32, "int8")
+        w = QuantWeight.from_raw("w", QType.Q6_K, raw, (40, 512), arithmetic="int8",
+                                 repack=cache.repack)
+        assert cache.verify() and cache.hits == int(second)
+        if not second:
+            assert cache.save() is not None
+            ref = w
+    assert _same_tiles(w, ref) and all(_file_backed(a) for a in w.tiles)
+    assert np.array_equal(w.matmul(x), ref.matmul(x))
+
+
 def _damage(path, how: str) -> None:
     data = bytearray(path.read_bytes())
     if how == "truncated":

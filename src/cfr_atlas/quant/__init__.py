@@ -8,7 +8,7 @@ The formats whose weights are a per-sub-block scale times an integer (plus an of
 subblock.py's tiles, kernels and twin and only unpack their bytes: q5 (Q5_0, Q5_1, IQ4_NL) and
 kquants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K).
 int8.py holds the integer path (activations quantized per block,
-`QuantWeight.from_raw(arithmetic=)`).
+`QuantWeight.from_raw(arithmetic=)`), int8_fields.py and int8_sub16.py its sub-block formats.
 This package imports nothing of cfr_atlas but `cfr_atlas.errors`.
 """
 

@@ -37,7 +37,9 @@ add) that LLVM lowers for the target. The integer dots are exact, so the layout 
 instruction choice cannot change a bit of the result.
 
 The tile kernel (`tile_kernel`) is here too, one for the three formats, which pick their
-weight bytes (int8 or packed nibbles) and block term (SCALE, OFFSET8, MIN).
+weight bytes (int8 or packed nibbles) and block term (SCALE, OFFSET8, MIN); int8_fields.py
+builds the sub-block formats of 32 on it. int8_sub16.py (Q6_K, Q3_K: two scaled sub-blocks of
+16 per block) has a dot and kernel of its own, made of this module's IR pieces and SCALE term.
 
 Not here: the repacks and NumPy twins (the format modules), shape checks (weight.py).
 """

@@ -12,9 +12,9 @@ A row's sub-block s is activation block s, so one integer dot per (row, s) suffi
     and the MIN term, (a_s * dx) * isum + m_s * (dx * xsum), Q4_1's term on int8 bytes, with
     m_s = c_s or -c_s (negation is exact, so a_s q + (-c_s) has a_s q - c_s's bits).
 That is llama.cpp's arithmetic for these formats against Q8_0/Q8_1/Q8_K activations (per
-32-element block here; it takes one scale per 256 for the K-quants). Q6_K, Q2_K and Q3_K
-(sub-blocks of 16) keep their float codec under int8: their sub-block is half an activation
-block, which these kernels do not split.
+32-element block here; it takes one scale per 256 for the K-quants). Q6_K and Q3_K
+(sub-blocks of 16, half an activation block, which these kernels do not split) are
+int8_sub16.py's; Q2_K keeps its float codec under int8.
 
 Weights take one byte each, except Q4_K's (q in 0..15), which are packed two to a byte as GGUF
 packs Q4_0 (low nibbles q[0..15] of a sub-block, high q[16..31]) and go through Q4_1's nibble
