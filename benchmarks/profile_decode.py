@@ -1,6 +1,7 @@
 """Where a decode token's time goes: weight matmuls, the K/V store + attention, and the rest.
 
     python benchmarks/profile_decode.py [--model FILE] [--contexts 16,2048] [--tokens 24]
+                                        [--matmul float|int8]
 
 For each context, one process loads the model (float16 K/V, no budget: the defaults), prefills
 the shipped validation text, then decodes --tokens tokens twice per round, interleaved: once
@@ -131,9 +132,11 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="16,2048", help="comma-separated contexts")
     ap.add_argument("--tokens", type=int, default=8, help="decode tokens per round and path")
     ap.add_argument("--rounds", type=int, default=3, help="rounds (paths alternate)")
+    ap.add_argument("--matmul", default="float", choices=["float", "int8"],
+                    help="the weight products' arithmetic (load_model's matmul)")
     a = ap.parse_args(argv)
     contexts = [int(c) for c in a.contexts.split(",")]
-    model = load_model(a.model) if a.model else load_model()
+    model = load_model(a.model, matmul=a.matmul)
     need = max(contexts) + (a.rounds + 1) * (a.tokens + 4) + 8
     ids = np.asarray(model.tokenize(validation_text()), dtype=np.int64)
     ids = np.resize(ids, need)  # the text repeated if a context is longer

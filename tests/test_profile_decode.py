@@ -24,7 +24,7 @@ def test_profile_prints_both_paths(tmp_path, capsys):
     compiled = HotCache.append_walk
     model = write_tiny_gguf(tmp_path / "tiny.gguf", qtype="Q4_1")
     assert prof.main(["--model", str(model), "--contexts", "5,40", "--tokens", "2",
-                      "--rounds", "1"]) == 0
+                      "--rounds", "1", "--matmul", "int8"]) == 0
     assert HotCache.append_walk is compiled  # switched back on
     lines = capsys.readouterr().out.splitlines()
     rows = [line.split("|")[1:-1] for line in lines[2:]]
