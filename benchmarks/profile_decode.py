@@ -1,4 +1,5 @@
-"""Where a decode token's time goes: weight matmuls, the K/V store + attention, and the rest.
+"""Where a decode token's time goes: weight matmuls, the output head, the K/V store +
+attention, and the rest.
 
     python benchmarks/profile_decode.py [--model FILE] [--contexts 16,2048] [--tokens 24]
                                         [--matmul float|int8]
@@ -9,11 +10,12 @@ through the compiled decode path (`Atlas.write_attend` taking `HotCache.append_w
 `fold.fold_hot` when every page is hot) and once with that path switched off (every layer
 through `write_stored` + `attend_heads`, the general path), so both columns see
 the same minutes of the machine. Per token (median over tokens): the total, the time inside
-`QuantWeight.matmul` (the kernels and their Python wrappers), inside `Session.store_attend`
-(checks, the regenerator's copy, the hot-cache write, the fold, the merge), the rest (norms,
-RoPE, activations, residuals, the output head's wrapper, the per-layer Python of the forward
-pass), and Python function calls per token (cProfile, a separate pass: the profiler slows
-Python, not the kernels). Ratios compare columns of one run only.
+`QuantWeight.matmul` (the layers' kernels and their Python wrappers), inside
+`QuantWeight.matmul_refined` (the output head), inside `Session.store_attend` (checks, the
+regenerator's copy, the hot-cache write, the fold, the merge), the rest (norms, RoPE,
+activations, residuals, the per-layer Python of the forward pass), and Python function
+calls per token (cProfile, a separate pass: the profiler slows Python, not the kernels).
+Ratios compare columns of one run only.
 """
 
 from __future__ import annotations
@@ -38,17 +40,20 @@ from cfr_atlas.models.session import Session  # noqa: E402
 from cfr_atlas.quant.weight import QuantWeight  # noqa: E402
 from cfr_atlas.validate import validation_text  # noqa: E402
 
-PARTS = ("matmul", "store_attend")
+PARTS = ("matmul", "head", "store_attend")
 
 
 class Timers:
-    """Wall time inside QuantWeight.matmul and Session.store_attend, outermost calls only."""
+    """Wall time inside QuantWeight.matmul (the layers), QuantWeight.matmul_refined (the output
+    head) and Session.store_attend, outermost calls only."""
 
     def __init__(self):
         self.seconds = defaultdict(float)
         self._depth = 0
-        for cls, name in ((QuantWeight, "matmul"), (Session, "store_attend")):
-            setattr(cls, name, self._wrap(getattr(cls, name), name))
+        for cls, name, part in ((QuantWeight, "matmul", "matmul"),
+                                (QuantWeight, "matmul_refined", "head"),
+                                (Session, "store_attend", "store_attend")):
+            setattr(cls, name, self._wrap(getattr(cls, name), part))
 
     def _wrap(self, fn, part):
         def timed(*args, **kw):
@@ -108,21 +113,22 @@ def profile(model, ids: np.ndarray, context: int, tokens: int, rounds: int) -> d
     for mode, samples in rows.items():
         med = [statistics.median(col) for col in zip(*samples, strict=True)]
         out[mode] = {"total_ms": 1e3 * med[0], "matmul_ms": 1e3 * med[1],
-                     "store_attend_ms": 1e3 * med[2],
-                     "rest_ms": 1e3 * (med[0] - med[1] - med[2]), "calls": calls[mode]}
+                     "head_ms": 1e3 * med[2], "store_attend_ms": 1e3 * med[3],
+                     "rest_ms": 1e3 * (med[0] - sum(med[1:])), "calls": calls[mode]}
     return out
 
 
 def table(results: dict) -> str:
-    lines = ["| context | path | ms / token | matmul | store + attention | rest | "
-             "Python calls / token |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| context | path | ms / token | matmul | head | store + attention | rest | "
+             "Python calls / token |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for context, modes in results.items():
         for mode, r in modes.items():
             lines.append(f"| {context:,} | {mode} | {r['total_ms']:.1f} | {r['matmul_ms']:.1f} | "
-                         f"{r['store_attend_ms']:.1f} | {r['rest_ms']:.1f} | {r['calls']:,.0f} |")
+                         f"{r['head_ms']:.1f} | {r['store_attend_ms']:.1f} | {r['rest_ms']:.1f} | "
+                         f"{r['calls']:,.0f} |")
         c, g = modes["compiled"], modes["general"]
         lines.append(f"| {context:,} | general / compiled | {g['total_ms'] / c['total_ms']:.2f}x "
-                     f"| | {g['store_attend_ms'] / c['store_attend_ms']:.2f}x | | |")
+                     f"| | | {g['store_attend_ms'] / c['store_attend_ms']:.2f}x | | |")
     return "\n".join(lines)
 
 
