@@ -22,8 +22,10 @@ run, its default f16 K/V, flash attention on (what llama.cpp's own default "auto
 on a CPU; llama-cpp-python's default is off, --flash-attn off measures that) and
 OMP_WAIT_POLICY=PASSIVE (on a shared, busy machine llama.cpp's spinning OpenMP barriers
 collapse: decode after 512 tokens measured 0.5-0.8 tok/s ACTIVE against 19-27 PASSIVE at load
-average 15; --omp-wait-policy active for a quiet machine); ours with its
-defaults (float16 K/V, no budget, 256-token prefill chunks), as two engines: float arithmetic
+average 15; --omp-wait-policy active for a quiet machine); ours with its defaults (float16
+K/V, no budget, 256-token prefill chunks, OMP_WAIT_POLICY unset: numba's OpenMP layer reads it
+too, and PASSIVE made our decode 1.5x slower until session 29 gave the setting to llama.cpp's
+worker only), as two engines: float arithmetic
 (the default) and `matmul="int8"` (activations quantized per 32-element block, integer dots,
 as llama.cpp computes), each with its own ratio to llama.cpp. llama.cpp is skipped, with a
 note, when `llama_cpp` is not importable. This script does not compare the engines' outputs
@@ -155,12 +157,23 @@ def _flash_attn(llm) -> str:
 WORKERS = {"ours": ours_worker, "ours-int8": ours_worker, "llamacpp": llamacpp_worker}
 
 
-def run_worker(spec: dict) -> dict:
-    """One engine on one file in a fresh process with the thread count pinned in its env."""
+def worker_env(spec: dict) -> dict:
+    """The worker's environment: threads pinned; the OpenMP wait policy for llama.cpp only."""
     t = str(spec["threads"])
     env = os.environ | {"NUMBA_NUM_THREADS": t, "OMP_NUM_THREADS": t,
-                        "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                        "OMP_WAIT_POLICY": spec["omp_wait_policy"]}
+                        "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    # the wait policy is llama.cpp's setting; numba's OpenMP threading layer reads the same
+    # variable, and PASSIVE (threads sleep after every parallel region) cost our decode 9 ms
+    # of a 19 ms token (profile_decode, bundled int8): ours runs with OpenMP's default
+    env.pop("OMP_WAIT_POLICY", None)
+    if spec["engine"] == "llamacpp":
+        env["OMP_WAIT_POLICY"] = spec["omp_wait_policy"]
+    return env
+
+
+def run_worker(spec: dict) -> dict:
+    """One engine on one file in a fresh process (`worker_env`)."""
+    env = worker_env(spec)
     cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if res.returncode:
@@ -301,7 +314,8 @@ def parse_args(argv=None):
     ap.add_argument("--flash-attn", choices=["on", "off"], default="on",
                     help="llama.cpp's flash attention (on: what its default 'auto' picks)")
     ap.add_argument("--omp-wait-policy", choices=["passive", "active"], default="passive",
-                    help="OMP_WAIT_POLICY of the workers (llama.cpp's OpenMP barriers)")
+                    help="OMP_WAIT_POLICY of llama.cpp's worker (its OpenMP barriers); "
+                         "ours runs with OpenMP's default")
     ap.add_argument("--threads", type=int, default=2, help="threads for both engines")
     ap.add_argument("--rounds", type=int, default=2, help="worker runs per cell (median)")
     ap.add_argument("--repeats", type=int, default=3, help="prefill repeats per run (median)")

@@ -116,3 +116,14 @@ def test_llamacpp_ref_agrees_with_our_tokenizer_and_logits(bench, tmp_path):
     assert (theirs.argmax(1) == ours.argmax(1)).mean() >= 0.9
     with pytest.raises(ValueError, match="n_ctx 4"):
         ref.llamacpp_logits(path, ids, n_ctx=4)
+
+
+def test_wait_policy_reaches_llamacpp_only(bench, monkeypatch):
+    """numba's OpenMP layer reads OMP_WAIT_POLICY too (PASSIVE slowed our decode 1.5x): the
+    setting is llama.cpp's, ours runs with OpenMP's default even if the caller's shell set it."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    spec = {"threads": 2, "omp_wait_policy": "ACTIVE"}
+    for engine in ("ours", "ours-int8"):
+        env = bench.worker_env(spec | {"engine": engine})
+        assert "OMP_WAIT_POLICY" not in env and env["NUMBA_NUM_THREADS"] == "2"
+    assert bench.worker_env(spec | {"engine": "llamacpp"})["OMP_WAIT_POLICY"] == "ACTIVE"
