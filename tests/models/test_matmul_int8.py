@@ -53,3 +53,29 @@ def test_int8_prefix_identity_differs(models):
 def test_unknown_matmul_is_a_config_error(tiny_llama):
     with pytest.raises(ConfigError, match=r"matmul: 'fp8' is not one of \['float', 'int8'\]"):
         load_model(tiny_llama, matmul="fp8")
+
+
+@pytest.fixture(scope="module", params=["gemma3", "deepseek2"])
+def other_family(request, tmp_path_factory):
+    from cfr_atlas.testing.tiny_deepseek2 import write_tiny_deepseek2
+    from cfr_atlas.testing.tiny_gemma3 import write_tiny_gemma3
+
+    path = tmp_path_factory.mktemp(request.param) / "m.gguf"
+    write = write_tiny_gemma3 if request.param == "gemma3" else write_tiny_deepseek2
+    return load_model(write(path, qtype="Q8_0"), matmul="int8")
+
+
+def test_other_families_take_the_refined_integer_head(other_family):
+    """Gemma 3 and DeepSeek2 load the head in the int8 layout and apply matmul_refined (not one
+    8-bit pass); their int8 logits stay independent of chunking."""
+    net = other_family.net
+    head = net.weights.output if hasattr(net, "weights") else net.output
+    assert head.integer
+    h = np.random.default_rng(1).standard_normal((3, head.shape[1])).astype(np.float32)
+    assert not np.array_equal(head.matmul_refined(h), head.matmul(h))
+    ids = IDS[:40]
+    base = other_family.logits(ids)
+    assert np.array_equal(other_family.logits(ids, chunk_tokens=7), base)
+    last = net.forward_chunk(other_family.session(), ids, all_logits=False, hidden=True)
+    apply = net.head if hasattr(net, "head") else head.matmul_refined  # DeepSeek2: no cap
+    assert np.array_equal(apply(last), base[-1:])  # the normed final row through the head

@@ -212,13 +212,16 @@ def test_committed_reference_matches_the_script(gguf_reader, kv_round):
 # agreement >= 97%, max |diff| <= 3, mean |diff| <= 0.35. Measured here (2026-12-02), default
 # float16 K/V against the float64 reference, 1,024 positions, the stored entries: 97.17%
 # (995 / 1,024), max 1.79, mean 0.121 (float: 99.90%, 0.034, 0.0018). The argmax bound below
-# keeps three positions of room under the measured figure (992 / 1,024, 96.9%): a machine whose
-# float32 steps round one operation differently may flip a near-tie the int8 noise created.
-INT8_ARGMAX, INT8_MAX_ABS, INT8_MEAN_ABS = 0.969, 3.0, 0.35
+# keeps three positions of room under the measured figure (992 / 1,024 = 96.875%, 0.125 points
+# under the bar): a machine whose float32 steps round one operation differently may flip a
+# near-tie the int8 noise created.
+INT8_ARGMAX, INT8_MAX_ABS, INT8_MEAN_ABS = 992 / 1024, 3.0, 0.35
 
 
 def test_int8_arithmetic_is_within_llamacpps_distance(model_path, default_logits, ref):
-    got = load_model(model_path, matmul="int8").logits(ref["ids"].astype(np.int64))
+    model = load_model(model_path, matmul="int8")
+    assert model.net.weights.output.integer  # the head too (matmul_refined's two passes)
+    got = model.logits(ref["ids"].astype(np.int64))
     assert not np.array_equal(got, default_logits)  # the integer path really ran
     err = stored_entry_errors(got, ref)
     agree = float(np.mean(got.argmax(axis=1) == ref["argmax"]))

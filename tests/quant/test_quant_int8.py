@@ -60,6 +60,20 @@ def test_activation_block_by_hand():
         np.testing.assert_array_equal(xsum[0], [127 + 2 - 4 + 127, 0, 0])
 
 
+def test_subnormal_scale_blocks_are_zero_blocks():
+    """0 < amax < int8.TINY (127 / amax overflows to inf): q = 0 and xsum = 0 in the kernel and
+    the twin alike, never an inf / NaN cast to int8 (undefined: the kernel gave xsum -4096)."""
+    x = np.zeros((2, 64), dtype=np.float32)
+    x[0, :3] = [1e-38, -5e-39, 3e-39]
+    x[1, :2] = [int8.TINY, -int8.TINY]  # the smallest amax quantized as usual
+    for xq, d, xsum in (int8.quantize(x), int8.quantize_numpy(x)):
+        assert not xq[0].any() and not xsum[0].any()
+        np.testing.assert_array_equal(d[0], [np.float32(1e-38) / np.float32(127), 0])
+        np.testing.assert_array_equal(xq[1, :2], [127, -127])
+    w = _int8(QType.Q4_1, quantized(QType.Q4_1, 40, 64), (40, 64))
+    assert_bits_equal(w.matmul(x), _twin(w, x))
+
+
 def test_activation_scale_and_range():
     x = _x(50, 256, seed=3)
     xq, d, xsum = int8.quantize(x)

@@ -1,7 +1,8 @@
 """QuantWeight.matmul_refined (the output head under --matmul int8): x and its quantization
 residual (int8.with_residual) through the integer kernel, summed. Checked: the residual against
 its definition, the result against the two passes computed by hand, batch invariance, an error
-bound against float64 that is ~60x tighter than one 8-bit pass's, and the float fallback."""
+bound against float64, the refined error at least 100x under one 8-bit pass's (measured
+135-380x; the bound's ratio is 254x), and the float fallback."""
 
 import numba
 import numpy as np
@@ -10,8 +11,10 @@ from quant_data import assert_bits_equal, quantized, reference
 
 from cfr_atlas.errors import DimensionError
 from cfr_atlas.quant import QType, QuantWeight, int8
+from cfr_atlas.quant.weight import CODECS, INT8_CODECS
 
-INTEGER = [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K]
+# every format with an integer path (Q6_K is the usual output head of a Q4_K_M file)
+INTEGER = [qt for qt, c in INT8_CODECS.items() if c is not CODECS[qt]]
 
 
 def _w(qtype, n, k, arithmetic="int8", seed=0) -> QuantWeight:
@@ -94,7 +97,7 @@ def test_refined_error_against_float64(qtype):
     err = np.abs(w.matmul_refined(x).astype(np.float64) - exact)
     assert np.all(err <= act + rounding)
     plain = np.abs(w.matmul(x).astype(np.float64) - exact)
-    assert np.median(err) * 30 < np.median(plain)
+    assert np.median(err) * 100 < np.median(plain)
 
 
 def test_float_arithmetic_and_formats_without_an_integer_path_fall_back_to_matmul():
@@ -102,6 +105,15 @@ def test_float_arithmetic_and_formats_without_an_integer_path_fall_back_to_matmu
         assert not w.integer
         x = _x(2, 64, seed=5)
         assert_bits_equal(w.matmul_refined(x), w.matmul(x))
+
+
+def test_refined_rows_in_slices_equal_one_pass(monkeypatch):
+    """The refinement runs over slices of rows (bounded scratch): slice size changes no bit."""
+    w = _w(QType.Q8_0, 50, 64)
+    x = _x(11, 64, seed=6)
+    whole = w.matmul_refined(x)
+    monkeypatch.setattr(QuantWeight, "REFINE_ROWS", 3)
+    assert_bits_equal(w.matmul_refined(x), whole)
 
 
 @pytest.mark.parametrize("x", [np.zeros((2, 63), np.float32), np.zeros(64, np.float32),

@@ -6,6 +6,8 @@ activation products summed exactly in int32 per block, one float multiply-add pe
         q_j in -127..127, rint rounds half to even (llama.cpp's AVX2 quantizer does the same;
         its scalar reference rounds half away from zero). xsum = sum_j q_j (an exact integer).
         A block holding inf or NaN gets d_x = NaN and q = 0, so the outputs it feeds are NaN.
+        A block with 0 < amax < TINY = 127 / FLT_MAX (127 / amax would overflow to inf) is a
+        zero block: q = 0, xsum = 0, d_x = amax / 127; it feeds less than 1e-36 to any dot.
 
     per output (t, n), blocks b = 0 .. nb - 1 in order, acc starting at 0.0:
         isum_b = sum_j w_j q_j               int32, exact, so the summation order is free
@@ -61,6 +63,7 @@ QK = 32  # activation block: the block of every integer-path weight format
 GROUP = 8  # weight rows per integer-dot intrinsic call (one 8 x int32 result vector)
 CHUNK = 4  # bytes of one row in a chunk vector (vpmaddubsw + vpmaddwd sum 4 products)
 QMAX = np.float32(127.0)
+TINY = np.float32(QMAX / np.finfo(np.float32).max)  # below it, 127 / amax overflows
 
 
 def _has_avx2() -> bool:
@@ -92,7 +95,7 @@ def _quantize_block(x, k0, xq, xd, xsum, t, b):
         xq[t, k0:k0 + QK] = 0
         xsum[t, b] = 0
         return
-    inv = QMAX / amax if amax > 0 else np.float32(0.0)
+    inv = QMAX / amax if amax >= TINY else np.float32(0.0)
     s = 0
     for j in range(QK):
         q = np.int8(np.rint(x[k0 + j] * inv))
@@ -129,8 +132,8 @@ def quantize_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     a = np.abs(xb)
     finite = np.all(a <= np.finfo(np.float32).max, axis=-1)  # False for inf and NaN
     amax = np.where(finite, a.max(axis=-1, initial=np.float32(0.0)), np.float32(1.0))
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, QMAX / amax, np.float32(0.0)).astype(np.float32)
+    with np.errstate(divide="ignore", over="ignore"):
+        inv = np.where(amax >= TINY, QMAX / amax, np.float32(0.0)).astype(np.float32)
     q = np.where(finite[..., None], np.rint(xb * inv[..., None]), np.float32(0.0))
     q = q.astype(np.int8)
     d = np.where(finite, amax / QMAX, np.float32(np.nan)).astype(np.float32)
@@ -140,16 +143,16 @@ def quantize_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def with_residual(x: np.ndarray) -> np.ndarray:
     """x (T, K) float32 -> (2T, K): row 2t is x[t], row 2t + 1 its quantization residual
     r = x[t] - d_x q (float32, one rounding each for d_x q and the difference). Quantized in
-    turn, r's blocks carry amax(r) <= d_x / 2, so the two integer passes summed see each
-    activation to within amax / (2 * 127 * 254): about 15 bits instead of 8 (`matmul_refined`
-    in weight.py). The pair of a row depends on that row only."""
+    turn, r's blocks carry amax(r) <= d_x / 2 (up to float32 rounding of d_x q), so the two
+    integer passes summed see each activation to within amax / (2 * 127 * 254): about 15 bits
+    instead of 8 (`matmul_refined` in weight.py). The pair of a row depends on that row only;
+    a non-finite block's residual is NaN (d_x = NaN), so its outputs stay NaN."""
     xq, xd, _ = quantize(x)
     T, K = x.shape
     out = np.empty((2 * T, K), dtype=np.float32)
     out[0::2] = x
     deq = (xq.reshape(T, -1, QK).astype(np.float32) * xd[..., None]).reshape(T, K)
-    with np.errstate(invalid="ignore"):  # a non-finite block: NaN residual, NaN outputs
-        np.subtract(x, deq, out=out[1::2])
+    np.subtract(x, deq, out=out[1::2])
     return out
 
 
@@ -360,9 +363,9 @@ def _term8_codegen(context, builder, sig, args):
     acc, ao, d, m, k, dx, xs, isum, io = args[:9]
     term = sig.args[9].literal_value
     dot = builder.load(_ptr(context, builder, isum_t, isum, io, V32), align=4)
+    xs = context.cast(builder, xs, sig.args[6], types.int32)  # |xs| <= 32 * 127: exact
     if term == OFFSET8:  # isum - 8 xs, exact in int32 (|isum| <= 32 * 15 * 127)
-        eight_xs = builder.mul(builder.trunc(xs, I32) if xs.type != I32 else xs,
-                               ir.Constant(I32, 8))
+        eight_xs = builder.mul(xs, ir.Constant(I32, 8))
         dot = builder.sub(dot, _splat_value(builder, V32, eight_xs))
     scaled = builder.fmul(builder.load(_ptr(context, builder, d_t, d, k, VF), align=4),
                           _splat_value(builder, VF, dx))
@@ -381,8 +384,12 @@ def term8(typingctx, acc, ao, d, m, k, dx, xs, isum, io, term):
     """acc[ao + r] += block term for 8 rows r: d[k + r], m[k + r] (MIN only), the activation
     block's dx (float32) and xs (its integer sum), isum[io + r] the rows' int32 dots; term a
     literal SCALE / OFFSET8 / MIN."""
-    if not isinstance(term, types.IntegerLiteral) or dx != types.float32:
-        return None
+    f32_arrays = all(isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C"
+                     for a in (acc, d, m))
+    if (not isinstance(term, types.IntegerLiteral) or dx != types.float32 or not f32_arrays
+            or not isinstance(xs, types.Integer) or not isinstance(isum, types.Array)
+            or isum.dtype != types.int32 or isum.layout != "C"):
+        return None  # the vector loads below assume these element types, contiguous
     return types.void(acc, ao, d, m, k, dx, xs, isum, io, term), _term8_codegen
 
 

@@ -135,19 +135,26 @@ class QuantWeight:
         arithmetic and a format that has one."""
         return self.codec is not CODECS[self.qtype]
 
+    REFINE_ROWS = 32  # matmul_refined's rows per pass (Gemma 3's head: 64 MiB of scratch)
+
     def matmul_refined(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """matmul, with activations to ~15 bits on the integer path: x and its quantization
-        residual (int8.with_residual) go through the kernel as one (2T, K) batch, the weights
-        streamed once for both, and out[t] = y[2t] + y[2t + 1]. Row t depends on x[t] only.
+        residual (int8.with_residual) go through the kernel as one batch of twice the rows
+        (REFINE_ROWS rows of x at a time), the weights streamed once for both, and
+        out[t] = y[2t] + y[2t + 1]. Row t depends on x[t] only.
         Same as matmul off the integer path. For the output head, where 8-bit activations
         cost argmax agreement (docs/CONFORMANCE.md)."""
         if not self.integer:
             return self.matmul(x, out)
         T, n = self._rows_of(x), self.shape[0]
         out = self._output(out, (T, n))
-        pair = np.empty((2 * T, n), dtype=np.float32)
-        self.codec.matmul(int8.with_residual(x), self.tiles, pair)
-        np.add(pair[0::2], pair[1::2], out=out)
+        step = self.REFINE_ROWS  # rows per pass: the (2 x step, N) scratch stays bounded
+        pair = np.empty((2 * min(T, step), n), dtype=np.float32)
+        for a in range(0, T, step):
+            rows = x[a:a + step]
+            y = pair[:2 * len(rows)]
+            self.codec.matmul(int8.with_residual(rows), self.tiles, y)
+            np.add(y[0::2], y[1::2], out=out[a:a + len(rows)])
         return out
 
     def rows(self, ids, out: np.ndarray | None = None) -> np.ndarray:
