@@ -236,13 +236,16 @@ def _splat(v, x):
     return ir.Constant(v, [ir.Constant(v.element, x)] * v.count)
 
 
+def _splat_value(builder, vec, x):
+    """A scalar repeated across the GROUP lanes of a vector type."""
+    one = builder.insert_element(ir.Constant(vec, None), x, ir.Constant(I32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vec, None), ir.Constant(V32, [0] * GROUP))
+
+
 def _broadcast(context, builder, x_t, x, xo, j):
     """Activations x[xo + j .. xo + j + 3] repeated 8 times as a <32 x i8>."""
     p = _ptr(context, builder, x_t, x, builder.add(xo, ir.Constant(xo.type, j)), I32)
-    one = builder.insert_element(ir.Constant(V32, None), builder.load(p, align=1),
-                                 ir.Constant(I32, 0))
-    return builder.bitcast(builder.shuffle_vector(one, ir.Constant(V32, None),
-                                                  ir.Constant(V32, [0] * GROUP)), V8)
+    return builder.bitcast(_splat_value(builder, V32, builder.load(p, align=1)), V8)
 
 
 def _madd_avx2(builder, u, s):
@@ -347,12 +350,6 @@ MIN = 2  # Q4_1:    (d_k * dx) * isum_r + m_k * (dx * xsum_b)   (llama.cpp's q8_
 
 F32 = ir.FloatType()
 VF = ir.VectorType(F32, GROUP)
-
-
-def _splat_value(builder, vec, x):
-    """A scalar repeated across a vector type's lanes."""
-    one = builder.insert_element(ir.Constant(vec, None), x, ir.Constant(I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(vec, None), ir.Constant(V32, [0] * GROUP))
 
 
 def _term8_codegen(context, builder, sig, args):

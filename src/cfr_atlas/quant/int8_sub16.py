@@ -177,7 +177,9 @@ def tile_kernel(avx2: bool = AVX2):
     """The parallel kernel(xq, xd, q, s, d, out) for int8 block tiles q with scale tiles s and
     per-block d: int8.tile_kernel's loops (threads split the tiles, tokens in pairs sharing
     one weight load) and its SCALE term. The closure holds plain values only (numba's disk
-    cache, see int8.tile_kernel)."""
+    cache, see int8.tile_kernel), so the loops cannot take the dot as an argument: they are
+    int8.tile_kernel's with dot16 / dot16x2 (and their scale offsets) in place of dot8 / dot8x2.
+    One shared loop would need one intrinsic with a literal mode over both modules' codegen."""
     R = TILE_ROWS
     avx2 = bool(avx2)
 
