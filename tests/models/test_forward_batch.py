@@ -157,9 +157,11 @@ def test_the_weights_stream_once_per_step(model, tmp_path, monkeypatch):
     try:
         for s in sessions:
             model.net.forward_chunk(s, np.arange(1, 30, dtype=np.int64), output=False)
-        calls, real = [], QuantWeight.matmul
+        calls, real, product = [], QuantWeight.matmul, QuantWeight.product
         monkeypatch.setattr(QuantWeight, "matmul",
                             lambda self, x, out=None: calls.append(self.name) or real(self, x, out))
+        monkeypatch.setattr(QuantWeight, "product",  # the decode step's products (one token)
+                            lambda self, x, out: calls.append(self.name) or product(self, x, out))
         model.net.forward_chunk(sessions[0], np.array([5], dtype=np.int64), all_logits=False)
         one = sorted(calls)
         calls.clear()

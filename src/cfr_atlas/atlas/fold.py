@@ -363,7 +363,18 @@ def fold_hot(q, qpos, slabs, slot, span, score, sinks, out):
     plan = (_walk_items(n_tok, n_head, n_pg, lo, split),
             _fold_in_parallel(n_tok, n_grp, n_head * n_pg, slabs[0].shape[2]),
             _merge_in_parallel((n_tok, n_head, n_part, n_grp, out.shape[3])))
-    _fold_hot(q, qpos, slabs, slot, span, score, sinks, out, plan)
+    scale, cap, alibi, win, fmt = score
+    _fold_hot_flat(q, qpos, *slabs, slot, *span, scale, cap, alibi, win, fmt, sinks, out, *plan)
+
+
+@njit(cache=True, nogil=True)
+def _fold_hot_flat(q, qpos, k_hot, v_hot, k_scr, v_scr, k_map, v_map, slot, lo, context, split,
+                   scale, cap, alibi, win, fmt, sinks, out, items, fold_parallel,
+                   merge_parallel):
+    """`_fold_hot` with its tuples spread into plain arguments: numba types a tuple argument
+    element by element in Python on every call (~10 us for these), an array or scalar in C."""
+    _fold_hot(q, qpos, (k_hot, v_hot, k_scr, v_scr, k_map, v_map), slot, (lo, context, split),
+              (scale, cap, alibi, win, fmt), sinks, out, (items, fold_parallel, merge_parallel))
 
 
 @njit(cache=True, nogil=True)

@@ -33,6 +33,8 @@ No timing or telemetry code lives here: mutators return counts, the runtime reco
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import njit
 
@@ -387,7 +389,7 @@ class HotCache:
         ticks[1], as a fold's `touch` would) and return the walk's slots (H, NP). Else change
         nothing and return None (the caller takes the general path). ticks None: only look
         (the slots are returned, nothing is written)."""
-        return self._append(layer, np.arange(k_st.shape[1], dtype=np.int64), start, k_st, v_st,
+        return self._append(layer, _all_heads(k_st.shape[1]), start, k_st, v_st,
                             lo, ticks)
 
     def _append(self, layer, heads, start, k_st, v_st, lo, ticks) -> np.ndarray | None:
@@ -439,6 +441,12 @@ class HotCache:
         self.resident_bytes = self.held_slots = 0
         self._empty_pool()
         self._end()
+
+
+@functools.lru_cache(maxsize=16)
+def _all_heads(n: int) -> np.ndarray:
+    """Table rows 0..n-1 (int64), one shared array per n (the kernels only read it)."""
+    return np.arange(n, dtype=np.int64)
 
 
 @njit(cache=True, nogil=True)

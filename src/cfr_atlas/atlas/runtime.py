@@ -150,6 +150,7 @@ class Atlas:
         self._stage_v = np.zeros((P, Dv), dtype=np.float32)
         self._no_map = (np.zeros((0, D, P), dtype=dt), np.zeros((0, P, Dv), dtype=dt))
         self._fmt = format_of(config.dtype)
+        self._defaults: dict[tuple[int, int], tuple] = {}  # (H, G) -> default `_score`
         self._scratch_used = False
         self._tick = 0
         self._total = Counters()
@@ -253,20 +254,46 @@ class Atlas:
             try:  # an argument error is raised by attend_heads below, after the write, as ever
                 q = self._check_query(query, H)
                 args = self._score(H, q.shape[2], **score)
-                context, P = start_token + T, cfg.page_tokens
-                lo = first_page(context - T - args[3] + 1, P) if args[3] else 0
-                # a walk with no miss (a regenerator that maps pages is told so first)
-                fast = self._hot_walk_known(backend, layer, start_token, k_st, v_st, lo, context)
             except AtlasError:
                 fast = False
         if fast:
-            slots = self.cache.append_walk(layer, start_token, k_st, v_st, lo,
-                                           (self._tick + 1, self._tick + 2))
-            if slots is not None:  # None only without a mapping regenerator: not all hot
-                return self._fold_hot(q, context, lo, slots, args)
+            out = self._walk_hot(backend, layer, start_token, k_st, v_st, q, args, None)
+            if out is not None:
+                return out
         self.write_stored(layer, start_token, k_st, v_st, policy)
         heads = range(k_st.shape[1])
         return self.attend_heads(backend, layer, heads, query, start_token + T, policy, **score)
+
+    def decode_attend(self, backend: KvRegenerator, layer: int, start_token: int,
+                      k_st: np.ndarray, v_st: np.ndarray, query: np.ndarray,
+                      out: np.ndarray | None = None) -> np.ndarray | None:
+        """`write_attend`'s compiled path alone, for a caller that has made its arguments
+        valid itself (the decode step, models/decode.py): rows k_st, v_st (T, H, D) of the
+        storage dtype as `stored_rows` returns them, query (T, H, G, D) float32 C-contiguous
+        and finite, the default score options, out None or (T, H, G, Dv) float32. Returns
+        the attention (out) when the rows grow resident pages in place and every page the
+        query reads is hot, exactly what `write_attend` returns and records then; else None,
+        with nothing changed (the caller takes `write_attend`)."""
+        H, G = query.shape[1], query.shape[2]
+        args = self._defaults.get((H, G))
+        if args is None:
+            args = self._defaults[(H, G)] = self._score(H, G)
+        return self._walk_hot(backend, layer, start_token, k_st, v_st, query, args, out)
+
+    def _walk_hot(self, backend, layer, start, k_st, v_st, q, args, out) -> np.ndarray | None:
+        """The compiled walk of `write_attend` (valid arguments): append the rows, fold every
+        page lo.. from the hot slab; None, nothing changed, when that walk does not apply."""
+        T = k_st.shape[0]
+        context, P = start + T, self.config.page_tokens
+        lo = first_page(context - T - args[3] + 1, P) if args[3] else 0
+        # a walk with no miss (a regenerator that maps pages is told so first)
+        if not self._hot_walk_known(backend, layer, start, k_st, v_st, lo, context):
+            return None
+        slots = self.cache.append_walk(layer, start, k_st, v_st, lo,
+                                       (self._tick + 1, self._tick + 2))
+        if slots is None:  # None only without a mapping regenerator: not all hot
+            return None
+        return self._fold_hot(q, context, lo, slots, args, out)
 
     def write_rows(self, layer: int, start_token: int, k_rows: np.ndarray, v_rows: np.ndarray,
                    policy=None, kv_heads=None) -> tuple[np.ndarray, np.ndarray]:
@@ -441,7 +468,7 @@ class Atlas:
                   np.zeros(slots.shape, dtype=np.bool_))
         return True
 
-    def _fold_hot(self, q, context, lo, slots, args) -> np.ndarray:
+    def _fold_hot(self, q, context, lo, slots, args, out=None) -> np.ndarray:
         """`write_attend`'s compiled path after `append_walk` wrote the rows and marked the
         walk: the counters of a write call and an all-hot attend call, the fold and merge."""
         cfg, c = self.config, Counters(calls=1)
@@ -453,7 +480,8 @@ class Atlas:
         self._scratch_used = False
         n_head, n_pg = slots.shape
         n_tok = q.shape[0]
-        out = np.empty(q.shape[:3] + (cfg.out_dim,), dtype=np.float32)
+        if out is None:
+            out = np.empty(q.shape[:3] + (cfg.out_dim,), dtype=np.float32)
         qpos = np.arange(context - n_tok, context, dtype=np.int64)
         slabs = (self.cache.k, self.cache.v, self._scratch_k, self._scratch_v) + self._no_map
         t0 = time.perf_counter()

@@ -184,6 +184,63 @@ def stage_f32(k_rows, v_rows, kt_out, v_out):
     return bad == 0
 
 
+_TWO_POW_24 = np.float32(2.0**24)  # float16's subnormal unit is 2**-24
+
+
+@intrinsic
+def _f32_bits(typingctx, x):
+    """float32 -> its uint32 bits."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+def _round1(x, fmt):
+    raise NotImplementedError("only callable from numba kernels")
+
+
+@overload(_round1, jit_options={"cache": True}, inline="always")
+def _round1_ov(x, fmt):
+    """One finite float32 -> its stored element, as `round_rows` rounds it (nearest even).
+    float16 from the bits: a normal result drops 13 mantissa bits with the carry of round half
+    to even (a carry into the exponent is the next binade, into exponent 31 infinity, as
+    NumPy's cast gives); at 65,520 and above infinity; below 2**-14 (float16 subnormals and
+    zero) |x| * 2**24 is exact and rint rounds it half to even, 1024 being 2**-14 itself.
+    Non-finite inputs give some non-finite pattern (callers refuse them first)."""
+    if isinstance(fmt, types.Float):
+        return lambda x, fmt: x
+    if fmt == types.uint16:
+        def f16(x, fmt):
+            b = _f32_bits(x)
+            sign = np.uint16((b >> np.uint32(16)) & np.uint32(0x8000))
+            em = b & np.uint32(0x7FFFFFFF)
+            if em >= np.uint32(0x477FF000):  # 65,520 rounds to inf; inf and NaN stay so
+                return sign | np.uint16(0x7C00 if em <= np.uint32(0x7F800000) else 0x7E00)
+            if em >= np.uint32(0x38800000):  # a float16 normal: rebias 127 -> 15
+                m = em - np.uint32(0x38000000)
+                return sign | np.uint16((m + np.uint32(0xFFF) + ((m >> np.uint32(13))
+                                                                 & np.uint32(1))) >> np.uint32(13))
+            return sign | np.uint16(np.rint(abs(x) * _TWO_POW_24))
+        return f16
+
+    def bf16(x, fmt):
+        b = _f32_bits(x)
+        lsb = (b >> np.uint32(16)) & np.uint32(1)
+        return np.uint16((b + np.uint32(0x7FFF) + lsb) >> np.uint32(16))
+    return bf16
+
+
+@njit(cache=True, nogil=True)
+def round_checked(rows, fmt, out) -> bool:
+    """rows (float32, C-contiguous) -> out (the same shape, the format's array dtype) rounded
+    as `round_rows` rounds them; returns `storable(rows, out, fmt)` (False: the caller's own
+    checks then say what is wrong). One pass, for the decode step's few rows."""
+    src, dst = rows.ravel(), out.ravel()
+    for i in range(src.size):
+        dst[i] = _round1(src[i], fmt)
+    return storable(rows, out, fmt)
+
+
 def _overflowed(stored, fmt):
     raise NotImplementedError("only callable from numba kernels")
 

@@ -214,15 +214,19 @@ def forward_layers(net, session, ids: np.ndarray, all_logits: bool, hidden: bool
                    output: bool) -> np.ndarray | None:
     """One sequence's chunk through the family's pieces (see `batched_forward`): what every
     family's `forward_chunk` is, so the batched pass and the single one are made of the same
-    calls on the same rows."""
+    calls on the same rows. A single token goes through `net.decode_step` when the family has
+    one (models/decode.py: the same arithmetic in a few compiled calls per layer)."""
     T, pos0 = ids.shape[0], session.n_tokens
     net.begin_step()
     x = net.embed(ids)
     rope = net.rope(np.arange(pos0, pos0 + T, dtype=np.int64))
-    for i in range(net.config.n_layers):
-        q, k, v = net.attention_inputs(i, x, rope)
-        attn = session.store_attend(i, pos0, x, k, v, q, **net.attention_options(i))
-        x = net.layer_output(i, x, attn.reshape(T, -1))
+    if T == 1 and net.decode_step is not None:  # the same arithmetic, few compiled calls
+        x = net.decode_step(session, pos0, x, rope)
+    else:
+        for i in range(net.config.n_layers):
+            q, k, v = net.attention_inputs(i, x, rope)
+            attn = session.store_attend(i, pos0, x, k, v, q, **net.attention_options(i))
+            x = net.layer_output(i, x, attn.reshape(T, -1))
     session.advance(ids)
     if not output:
         return None

@@ -154,6 +154,8 @@ class Gemma3Weights:
 class Gemma3Model:
     """Config + weights + the forward pass. K/V state is passed in (a `Session`)."""
 
+    decode_step = None  # a single token takes forward_layers' pieces (models/decode.py)
+
     def __init__(self, gf: GGUFFile, *, matmul: str = "float"):
         self.config = c = Gemma3Config.from_gguf(gf)
         self.matmul = check_arithmetic(matmul)

@@ -27,6 +27,7 @@ import numpy as np
 
 from cfr_atlas.errors import ConfigError, ModelFormatError, UnsupportedArchitectureError
 from cfr_atlas.models.batch import BatchItem, batched_forward, forward_layers
+from cfr_atlas.models.decode import DecodeStep
 from cfr_atlas.models.expert_memory import build_store, parse_expert_budget
 from cfr_atlas.models.gguf_io import GGUFFile
 from cfr_atlas.models.moe import NORM_TOPK, DenseFfn, MoeFfn, link_layers
@@ -335,6 +336,8 @@ class LlamaModel:
         # repacked when a recompute first asks for a layer's: a generation without the
         # recompute regenerator never pays for them (~6% of the bundled model's repack)
         self._kv_weights: list[list | None] = [None] * c.n_layers
+        # a single token's layers in a few compiled calls each (None: forward_layers' pieces)
+        self.decode_step = DecodeStep(self) if DecodeStep.applies(self) else None
 
     def set_experts(self, budget=None, policy: str = "lru", profile: dict | None = None):
         """Replace the expert store (a new budget or policy) without reloading the model; the

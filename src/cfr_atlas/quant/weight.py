@@ -129,6 +129,12 @@ class QuantWeight:
         self.codec.matmul(x, self.tiles, out)
         return out
 
+    def product(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """`matmul` without its checks, for a caller whose buffers are right by construction
+        (x (T, K) and out (T, N) float32, C-contiguous: the decode step's rows)."""
+        self.codec.matmul(x, self.tiles, out)
+        return out
+
     @property
     def integer(self) -> bool:
         """True when products take the integer path (int8 activations, int8.py): the int8

@@ -1,0 +1,110 @@
+"""The decode step (models/decode.py) is forward_layers' arithmetic for one token, bit for bit:
+token-by-token logits with the step equal those with it switched off, and those of one prefill,
+for Q8_0, Q4_1 and mixed formats, both arithmetics, every storage dtype, budgets and both
+exact regenerators across page boundaries; errors are the general path's; threads share a
+model safely."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from cfr_atlas.engine import load_model
+from cfr_atlas.errors import NumericError
+from cfr_atlas.models.decode import DecodeStep
+
+IDS = np.random.default_rng(3).integers(0, 256, size=40).astype(np.int64)
+
+
+def _decode(model, ids, step_on: bool, **kv) -> np.ndarray:
+    """Logits of every position, one token per forward_chunk call (decode_step on or off)."""
+    net = model.net
+    saved = net.decode_step
+    net.decode_step = saved if step_on else None
+    try:
+        s = model.session(context_limit=len(ids), **kv)
+        try:
+            return np.concatenate([net.forward_chunk(s, ids[i:i + 1]) for i in range(len(ids))])
+        finally:
+            s.close()
+    finally:
+        net.decode_step = saved
+
+
+@pytest.fixture(scope="module", params=[("llama", "Q8_0"), ("qwen2", "Q4_1"),
+                                        ("qwen2", "mixed")])
+def path(request, tiny_gguf):
+    arch, qtype = request.param
+    return tiny_gguf(arch=arch, qtype=qtype, n_layers=2)
+
+
+@pytest.mark.parametrize("matmul", ["float", "int8"])
+@pytest.mark.parametrize("storage", ["float16", "bfloat16", "float32"])
+def test_step_equals_the_general_path_and_prefill(path, matmul, storage):
+    model = load_model(path, matmul=matmul)
+    assert model.net.decode_step is not None
+    on = _decode(model, IDS, True, storage_dtype=storage, page_tokens=8)
+    off = _decode(model, IDS, False, storage_dtype=storage, page_tokens=8)
+    assert np.array_equal(on, off)
+    assert np.array_equal(on, model.logits(IDS, storage_dtype=storage, page_tokens=8))
+
+
+@pytest.mark.parametrize("regen", ["spill", "recompute"])
+def test_step_under_a_budget_equals_unbounded(path, tmp_path, regen):
+    model = load_model(path, matmul="int8")
+    base = _decode(model, IDS, False, page_tokens=4)
+    kept = 0 if regen == "spill" else len(IDS) * 2 * 64 * 4  # recompute keeps layer inputs
+    kv = dict(kv_budget=3072 + 768 + kept, page_tokens=4, regenerator=regen, cache_dir=tmp_path)
+    s = model.session(context_limit=len(IDS), **kv)
+    try:
+        got = np.concatenate([model.net.forward_chunk(s, IDS[i:i + 1])
+                              for i in range(len(IDS))])
+        assert s.telemetry_summary()["pages_regenerated"] > 0  # the budget really bit
+    finally:
+        s.close()
+    assert np.array_equal(got, base)
+
+
+def test_which_models_take_the_step(tiny_gguf):
+    from cfr_atlas.testing.tiny_gemma3 import write_tiny_gemma3
+    from cfr_atlas.testing.tiny_moe import write_tiny_moe
+
+    assert DecodeStep.applies(load_model(tiny_gguf(arch="llama", qtype="Q4_0")).net)
+    folder = tiny_gguf(arch="llama", qtype="Q8_0").parent
+    moe = load_model(write_tiny_moe(folder / "moe_step.gguf", arch="qwen2moe"))
+    assert moe.net.decode_step is None
+    gemma = load_model(write_tiny_gemma3(folder / "gemma_step.gguf"))
+    assert gemma.net.decode_step is None
+
+
+def test_rows_that_are_not_finite_raise_as_the_general_path_does(tiny_qwen2):
+    errors = []
+    for step_on in (True, False):
+        model = load_model(tiny_qwen2)
+        lay = model.net.weights.layers[1]
+        lay.bqkv = lay.bqkv.copy()
+        lay.bqkv[-1] = np.inf  # V's last column of layer 1: not storable
+        if model.net.decode_step is not None:
+            model.net.decode_step = DecodeStep(model.net)  # takes the new bias
+        with pytest.raises(NumericError) as e:
+            _decode(model, IDS[:3], step_on)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1]
+
+
+def test_threads_share_a_model(tiny_qwen2):
+    model = load_model(tiny_qwen2, matmul="int8")
+    want = _decode(model, IDS, True)
+    got: list = [None] * 4
+
+    def run(i):
+        got[i] = _decode(model, IDS, True)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(np.array_equal(g, want) for g in got)
