@@ -5,17 +5,23 @@ attention, and the rest.
                                         [--matmul float|int8]
 
 For each context, one process loads the model (float16 K/V, no budget: the defaults), prefills
-the shipped validation text, then decodes --tokens tokens twice per round, interleaved: once
-through the compiled decode path (`Atlas.write_attend` taking `HotCache.append_walk` +
-`fold.fold_hot` when every page is hot) and once with that path switched off (every layer
-through `write_stored` + `attend_heads`, the general path), so both columns see
-the same minutes of the machine. Per token (median over tokens): the total, the time inside
-`QuantWeight.matmul` (the layers' kernels and their Python wrappers), inside
-`QuantWeight.matmul_refined` (the output head), inside `Session.store_attend` (checks, the
-regenerator's copy, the hot-cache write, the fold, the merge), the rest (norms, RoPE,
-activations, residuals, the per-layer Python of the forward pass), and Python function
-calls per token (cProfile, a separate pass: the profiler slows Python, not the kernels).
-Ratios compare columns of one run only.
+the shipped validation text, then decodes --tokens tokens per path and round, the paths
+interleaved so that all see the same minutes of the machine:
+  step     the decode step (models/decode.py: a few compiled calls per layer), when the model
+           has one;
+  pieces   forward_layers' pieces for the same token (decode step off), with the compiled
+           hot walk (`Atlas.write_attend` taking `HotCache.append_walk` + `fold.fold_hot`
+           when every page is hot): the decode path before the step existed;
+  general  the pieces with the compiled walk off too (every layer through `write_stored` +
+           `attend_heads`).
+Per token (median over tokens): the total, the time inside the layers' weight products
+(`QuantWeight.matmul` / `QuantWeight.product`: the kernels and their wrappers), inside
+`QuantWeight.matmul_refined` (the output head), inside `Session.store_attend` /
+`Session.decode_attend` (the regenerator's copy, the hot-cache write, the fold, the merge; the
+pieces also check and round the rows there, the step in its qkv_rows kernel, which is "rest"),
+the rest (norms, RoPE, activations, residuals, the per-layer Python of the forward pass), and
+Python function calls per token (cProfile, a separate pass: the profiler slows Python, not the
+kernels). Ratios compare paths of one run only.
 """
 
 from __future__ import annotations
@@ -51,8 +57,10 @@ class Timers:
         self.seconds = defaultdict(float)
         self._depth = 0
         for cls, name, part in ((QuantWeight, "matmul", "matmul"),
+                                (QuantWeight, "product", "matmul"),
                                 (QuantWeight, "matmul_refined", "head"),
-                                (Session, "store_attend", "store_attend")):
+                                (Session, "store_attend", "store_attend"),
+                                (Session, "decode_attend", "store_attend")):
             setattr(cls, name, self._wrap(getattr(cls, name), part))
 
     def _wrap(self, fn, part):
@@ -69,52 +77,57 @@ class Timers:
         return timed
 
 
-def _general_path(on: bool) -> None:
-    """Switch the compiled decode path off (append_walk says "not all hot") or back on."""
-    if on:
-        HotCache.append_walk = lambda *a, **k: None
+def _use_path(model, path: str, step) -> None:
+    """Select a path (see the module docstring); "step" restores the model as loaded."""
+    model.net.decode_step = step if path == "step" else None
+    if path == "general":
+        HotCache.append_walk = lambda *a, **k: None  # "not all hot": the general calls
     else:
         HotCache.append_walk = HotCache._compiled_append_walk
 
 
 def profile(model, ids: np.ndarray, context: int, tokens: int, rounds: int) -> dict:
     timers = Timers()
-    sessions, pos, rows = {}, {}, {"compiled": [], "general": []}
-    for mode in rows:
-        sessions[mode] = model.session()
-        prefill(model.net, sessions[mode], ids[:context])
-        pos[mode] = context
-    for _ in range(rounds):
-        for mode in rows:
-            _general_path(mode == "general")
-            for _ in range(tokens):
-                timers.seconds.clear()
-                t0 = time.perf_counter()
-                model.net.forward_chunk(sessions[mode], ids[pos[mode]:pos[mode] + 1],
+    step = model.net.decode_step
+    paths = ("step", "pieces", "general") if step is not None else ("pieces", "general")
+    sessions, pos, rows = {}, {}, {p: [] for p in paths}
+    for path in paths:
+        sessions[path] = model.session()
+        prefill(model.net, sessions[path], ids[:context])
+        pos[path] = context
+    try:
+        for _ in range(rounds):
+            for path in paths:
+                _use_path(model, path, step)
+                for _ in range(tokens):
+                    timers.seconds.clear()
+                    t0 = time.perf_counter()
+                    model.net.forward_chunk(sessions[path], ids[pos[path]:pos[path] + 1],
+                                            all_logits=False)
+                    total = time.perf_counter() - t0
+                    rows[path].append((total, *(timers.seconds[p] for p in PARTS)))
+                    pos[path] += 1
+        calls = {}
+        for path in paths:  # Python calls per token, in a profiled pass of its own
+            _use_path(model, path, step)
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(4):
+                model.net.forward_chunk(sessions[path], ids[pos[path]:pos[path] + 1],
                                         all_logits=False)
-                total = time.perf_counter() - t0
-                rows[mode].append((total, *(timers.seconds[p] for p in PARTS)))
-                pos[mode] += 1
-    calls = {}
-    for mode in rows:  # Python calls per token, in a profiled pass of its own
-        _general_path(mode == "general")
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(4):
-            model.net.forward_chunk(sessions[mode], ids[pos[mode]:pos[mode] + 1],
-                                    all_logits=False)
-            pos[mode] += 1
-        prof.disable()
-        calls[mode] = pstats.Stats(prof).total_calls / 4
-    _general_path(False)
-    for s in sessions.values():
-        s.close()
+                pos[path] += 1
+            prof.disable()
+            calls[path] = pstats.Stats(prof).total_calls / 4
+    finally:
+        _use_path(model, "step", step)
+        for s in sessions.values():
+            s.close()
     out = {}
-    for mode, samples in rows.items():
+    for path, samples in rows.items():
         med = [statistics.median(col) for col in zip(*samples, strict=True)]
-        out[mode] = {"total_ms": 1e3 * med[0], "matmul_ms": 1e3 * med[1],
+        out[path] = {"total_ms": 1e3 * med[0], "matmul_ms": 1e3 * med[1],
                      "head_ms": 1e3 * med[2], "store_attend_ms": 1e3 * med[3],
-                     "rest_ms": 1e3 * (med[0] - sum(med[1:])), "calls": calls[mode]}
+                     "rest_ms": 1e3 * (med[0] - sum(med[1:])), "calls": calls[path]}
     return out
 
 
@@ -126,9 +139,12 @@ def table(results: dict) -> str:
             lines.append(f"| {context:,} | {mode} | {r['total_ms']:.1f} | {r['matmul_ms']:.1f} | "
                          f"{r['head_ms']:.1f} | {r['store_attend_ms']:.1f} | {r['rest_ms']:.1f} | "
                          f"{r['calls']:,.0f} |")
-        c, g = modes["compiled"], modes["general"]
-        lines.append(f"| {context:,} | general / compiled | {g['total_ms'] / c['total_ms']:.2f}x "
-                     f"| | | {g['store_attend_ms'] / c['store_attend_ms']:.2f}x | | |")
+        first = next(iter(modes))
+        for other in list(modes)[1:]:  # each path against the fastest one, step when there
+            a, b = modes[first], modes[other]
+            lines.append(f"| {context:,} | {other} / {first} | "
+                         f"{b['total_ms'] / a['total_ms']:.2f}x | | | "
+                         f"{b['store_attend_ms'] / a['store_attend_ms']:.2f}x | | |")
     return "\n".join(lines)
 
 

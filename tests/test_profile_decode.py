@@ -1,6 +1,7 @@
 """benchmarks/profile_decode.py stays runnable and measures what it says: on a generated model,
-the table has both paths per context, the compiled decode path really ran (and needs fewer
-Python calls per token than the general path), and the path is switched back on afterwards.
+the table has the three paths per context (the decode step, forward_layers' pieces with the
+compiled walk, the general calls), each really ran (the step needs fewer Python calls per token
+than the pieces, the pieces fewer than the general calls), and the model is left as loaded.
 Checks the output's shape and the call counts, never the speed."""
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from cfr_atlas.atlas.hot_cache import HotCache
 from cfr_atlas.testing import write_tiny_gguf
@@ -28,9 +31,26 @@ def test_profile_prints_both_paths(tmp_path, capsys):
     assert HotCache.append_walk is compiled  # switched back on
     lines = capsys.readouterr().out.splitlines()
     rows = [line.split("|")[1:-1] for line in lines[2:]]
+    paths = ("step", "pieces", "general", "pieces / step", "general / step")
     assert [(r[0].strip(), r[1].strip()) for r in rows] == [
-        (c, p) for c in ("5", "40") for p in ("compiled", "general", "general / compiled")]
-    for i in (0, 3):  # per context: the compiled path makes fewer Python calls a token
-        calls = [float(rows[i + j][7].replace(",", "")) for j in (0, 1)]
-        assert 0 < calls[0] < calls[1]
-        assert all(float(x) > 0 for x in rows[i][2:7])  # the head was timed too
+        (c, p) for c in ("5", "40") for p in paths]
+    for i in (0, 5):  # per context: each path makes fewer Python calls a token than the next
+        calls = [float(rows[i + j][7].replace(",", "")) for j in (0, 1, 2)]
+        assert 0 < calls[0] < calls[1] < calls[2]
+        for j in (0, 1):
+            assert all(float(x) > 0 for x in rows[i + j][2:7])  # products, head, attention
+
+
+def test_the_model_keeps_its_decode_step(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("profile_decode2",
+                                                  BENCHMARKS / "profile_decode.py")
+    prof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof)
+    from cfr_atlas.engine import load_model
+
+    model = load_model(write_tiny_gguf(tmp_path / "tiny.gguf", qtype="Q8_0"))
+    step = model.net.decode_step
+    ids = np.arange(1, 40, dtype=np.int64)
+    prof.profile(model, ids, 5, 2, 1)
+    assert model.net.decode_step is step and step is not None

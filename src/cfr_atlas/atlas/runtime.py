@@ -112,6 +112,13 @@ def _filled(n_head: int, n_grp: int, fill: float) -> np.ndarray:
     return np.full((n_head, n_grp), fill, dtype=np.float32)
 
 
+@functools.lru_cache(maxsize=64)
+def _default_score(n_head: int, n_grp: int, scale: float) -> tuple:
+    """`Atlas._score(n_head, n_grp)` with every option at its default, for a query scale:
+    shared by every call (its arrays are `_filled`'s)."""
+    return (float(scale), 0.0, _filled(n_head, n_grp, 0.0), 0, _filled(n_head, n_grp, np.nan))
+
+
 def _per_head(name: str, value, n_head: int, n_grp: int, fill: float) -> np.ndarray:
     """Broadcast a scalar / (G,) / (H, G) option to an (H, G) float32 array."""
     if value is None:
@@ -150,7 +157,6 @@ class Atlas:
         self._stage_v = np.zeros((P, Dv), dtype=np.float32)
         self._no_map = (np.zeros((0, D, P), dtype=dt), np.zeros((0, P, Dv), dtype=dt))
         self._fmt = format_of(config.dtype)
-        self._defaults: dict[tuple[int, int], tuple] = {}  # (H, G) -> default `_score`
         self._scratch_used = False
         self._tick = 0
         self._total = Counters()
@@ -274,10 +280,7 @@ class Atlas:
         the attention (out) when the rows grow resident pages in place and every page the
         query reads is hot, exactly what `write_attend` returns and records then; else None,
         with nothing changed (the caller takes `write_attend`)."""
-        H, G = query.shape[1], query.shape[2]
-        args = self._defaults.get((H, G))
-        if args is None:
-            args = self._defaults[(H, G)] = self._score(H, G)
+        args = _default_score(query.shape[1], query.shape[2], self.config.query_scale())
         return self._walk_hot(backend, layer, start_token, k_st, v_st, query, args, out)
 
     def _walk_hot(self, backend, layer, start, k_st, v_st, q, args, out) -> np.ndarray | None:
@@ -471,12 +474,10 @@ class Atlas:
     def _fold_hot(self, q, context, lo, slots, args, out=None) -> np.ndarray:
         """`write_attend`'s compiled path after `append_walk` wrote the rows and marked the
         walk: the counters of a write call and an all-hot attend call, the fold and merge."""
-        cfg, c = self.config, Counters(calls=1)
+        cfg = self.config
         scale, cap, alibi, win, sinks = args
         self._tick += 2
         self._peak = max(self._peak, self.cache.resident_bytes)
-        self._total.calls += 1  # the write's call
-        self._last = c
         self._scratch_used = False
         n_head, n_pg = slots.shape
         n_tok = q.shape[0]
@@ -487,10 +488,16 @@ class Atlas:
         t0 = time.perf_counter()
         fold.fold_hot(q, qpos, slabs, slots, (lo, context, cfg.split_pages),
                       (np.float32(scale), np.float32(cap), alibi, win, self._fmt), sinks, out)
-        c.fold_seconds = time.perf_counter() - t0
-        c.hot_hits = c.pages_folded = n_head * n_pg
-        c.tokens_consumed = (context - lo * cfg.page_tokens) * n_head
-        self._total.add(c)
+        seconds = time.perf_counter() - t0
+        pages, tokens = n_head * n_pg, (context - lo * cfg.page_tokens) * n_head
+        self._last = Counters(calls=1, pages_folded=pages, hot_hits=pages,
+                              tokens_consumed=tokens, fold_seconds=seconds)
+        t = self._total  # the write's call and the attend call; only these counters move
+        t.calls += 2
+        t.pages_folded += pages
+        t.hot_hits += pages
+        t.tokens_consumed += tokens
+        t.fold_seconds += seconds
         return out
 
     def _check_query(self, query, n_head: int) -> np.ndarray:
