@@ -1,8 +1,8 @@
 """The decode step (models/decode.py) is forward_layers' arithmetic for one token, bit for bit:
 token-by-token logits with the step equal those with it switched off, and those of one prefill,
-for Q8_0, Q4_1 and mixed formats, both arithmetics, every storage dtype, budgets and both
-exact regenerators across page boundaries; errors are the general path's; threads share a
-model safely."""
+for llama, qwen2 (biases) and Gemma 3 (QK-norm, post-norms, GeGLU, sliding windows), Q8_0, Q4_1
+and mixed formats, both arithmetics, every storage dtype, budgets and both exact regenerators
+across page boundaries; errors are the general path's; threads share a model safely."""
 
 from __future__ import annotations
 
@@ -34,9 +34,14 @@ def _decode(model, ids, step_on: bool, **kv) -> np.ndarray:
 
 
 @pytest.fixture(scope="module", params=[("llama", "Q8_0"), ("qwen2", "Q4_1"),
-                                        ("qwen2", "mixed")])
+                                        ("qwen2", "mixed"), ("gemma3", "Q4_1")])
 def path(request, tiny_gguf):
     arch, qtype = request.param
+    if arch == "gemma3":  # 7 layers: 6 local (window 24 < the 40 tokens) and one global
+        from cfr_atlas.testing.tiny_gemma3 import write_tiny_gemma3
+
+        folder = tiny_gguf(arch="llama", qtype="Q8_0").parent
+        return write_tiny_gemma3(folder / f"gemma3_step_{qtype}.gguf", qtype=qtype)
     return tiny_gguf(arch=arch, qtype=qtype, n_layers=2)
 
 
@@ -55,8 +60,11 @@ def test_step_equals_the_general_path_and_prefill(path, matmul, storage):
 def test_step_under_a_budget_equals_unbounded(path, tmp_path, regen):
     model = load_model(path, matmul="int8")
     base = _decode(model, IDS, False, page_tokens=4)
-    kept = 0 if regen == "spill" else len(IDS) * 2 * 64 * 4  # recompute keeps layer inputs
-    kv = dict(kv_budget=3072 + 768 + kept, page_tokens=4, regenerator=regen, cache_dir=tmp_path)
+    c = model.config
+    kept = 0 if regen == "spill" else len(IDS) * c.n_layers * c.dim * 4  # recompute's inputs
+    page = 4 * c.head_dim * 2 * 2  # K + V of a page, float16
+    kv = dict(kv_budget=4 * page + 768 + kept, page_tokens=4, regenerator=regen,
+              cache_dir=tmp_path)
     s = model.session(context_limit=len(IDS), **kv)
     try:
         got = np.concatenate([model.net.forward_chunk(s, IDS[i:i + 1])
@@ -68,15 +76,13 @@ def test_step_under_a_budget_equals_unbounded(path, tmp_path, regen):
 
 
 def test_which_models_take_the_step(tiny_gguf):
-    from cfr_atlas.testing.tiny_gemma3 import write_tiny_gemma3
     from cfr_atlas.testing.tiny_moe import write_tiny_moe
 
-    assert DecodeStep.applies(load_model(tiny_gguf(arch="llama", qtype="Q4_0")).net)
+    assert load_model(tiny_gguf(arch="llama", qtype="Q4_0")).net.decode_step is not None
     folder = tiny_gguf(arch="llama", qtype="Q8_0").parent
-    moe = load_model(write_tiny_moe(folder / "moe_step.gguf", arch="qwen2moe"))
-    assert moe.net.decode_step is None
-    gemma = load_model(write_tiny_gemma3(folder / "gemma_step.gguf"))
-    assert gemma.net.decode_step is None
+    for arch in ("qwen2moe", "qwen3moe"):
+        moe = load_model(write_tiny_moe(folder / f"{arch}_step.gguf", arch=arch))
+        assert moe.net.decode_step is None and moe.net.decode_layers() is None
 
 
 def test_rows_that_are_not_finite_raise_as_the_general_path_does(tiny_qwen2):
@@ -86,8 +92,7 @@ def test_rows_that_are_not_finite_raise_as_the_general_path_does(tiny_qwen2):
         lay = model.net.weights.layers[1]
         lay.bqkv = lay.bqkv.copy()
         lay.bqkv[-1] = np.inf  # V's last column of layer 1: not storable
-        if model.net.decode_step is not None:
-            model.net.decode_step = DecodeStep(model.net)  # takes the new bias
+        model.net.decode_step = DecodeStep(model.config, model.net.decode_layers())
         with pytest.raises(NumericError) as e:
             _decode(model, IDS[:3], step_on)
         errors.append(str(e.value))

@@ -113,10 +113,11 @@ def _filled(n_head: int, n_grp: int, fill: float) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def _default_score(n_head: int, n_grp: int, scale: float) -> tuple:
-    """`Atlas._score(n_head, n_grp)` with every option at its default, for a query scale:
-    shared by every call (its arrays are `_filled`'s)."""
-    return (float(scale), 0.0, _filled(n_head, n_grp, 0.0), 0, _filled(n_head, n_grp, np.nan))
+def _default_score(n_head: int, n_grp: int, scale: float, window: int) -> tuple:
+    """`Atlas._score(n_head, n_grp, scale=scale, window=window or None)` (a valid scale and
+    window; 0: none), the other options at their defaults: shared by every call (its arrays
+    are `_filled`'s)."""
+    return (scale, 0.0, _filled(n_head, n_grp, 0.0), window, _filled(n_head, n_grp, np.nan))
 
 
 def _per_head(name: str, value, n_head: int, n_grp: int, fill: float) -> np.ndarray:
@@ -272,15 +273,19 @@ class Atlas:
 
     def decode_attend(self, backend: KvRegenerator, layer: int, start_token: int,
                       k_st: np.ndarray, v_st: np.ndarray, query: np.ndarray,
-                      out: np.ndarray | None = None) -> np.ndarray | None:
+                      out: np.ndarray | None = None, scale: float | None = None,
+                      window: int | None = None) -> np.ndarray | None:
         """`write_attend`'s compiled path alone, for a caller that has made its arguments
         valid itself (the decode step, models/decode.py): rows k_st, v_st (T, H, D) of the
         storage dtype as `stored_rows` returns them, query (T, H, G, D) float32 C-contiguous
-        and finite, the default score options, out None or (T, H, G, Dv) float32. Returns
-        the attention (out) when the rows grow resident pages in place and every page the
-        query reads is hot, exactly what `write_attend` returns and records then; else None,
-        with nothing changed (the caller takes `write_attend`)."""
-        args = _default_score(query.shape[1], query.shape[2], self.config.query_scale())
+        and finite, a valid scale (None: the config's) and window, the other score options at
+        their defaults, out None or (T, H, G, Dv) float32. Returns the attention (out) when
+        the rows grow resident pages in place and every page the query reads is hot, exactly
+        what `write_attend` returns and records then; else None, with nothing changed (the
+        caller takes `write_attend`)."""
+        args = _default_score(query.shape[1], query.shape[2],
+                              self.config.query_scale() if scale is None else float(scale),
+                              0 if window is None else int(window))
         return self._walk_hot(backend, layer, start_token, k_st, v_st, query, args, out)
 
     def _walk_hot(self, backend, layer, start, k_st, v_st, q, args, out) -> np.ndarray | None:

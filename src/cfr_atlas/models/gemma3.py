@@ -28,6 +28,7 @@ import numpy as np
 
 from cfr_atlas.errors import ModelFormatError
 from cfr_atlas.models.batch import BatchItem, batched_forward, forward_layers
+from cfr_atlas.models.decode import DecodeLayer, DecodeStep, parts
 from cfr_atlas.models.gguf_io import GGUFFile
 from cfr_atlas.models.llama import LIMITS, _fused, _matmul, _weight, embed_and_head, rope_freq_scale
 from cfr_atlas.ops import geglu, rms_norm, rope_cos_sin, rope_freqs, rotate
@@ -154,8 +155,6 @@ class Gemma3Weights:
 class Gemma3Model:
     """Config + weights + the forward pass. K/V state is passed in (a `Session`)."""
 
-    decode_step = None  # a single token takes forward_layers' pieces (models/decode.py)
-
     def __init__(self, gf: GGUFFile, *, matmul: str = "float"):
         self.config = c = Gemma3Config.from_gguf(gf)
         self.matmul = check_arithmetic(matmul)
@@ -164,6 +163,20 @@ class Gemma3Model:
         self.freqs_global = rope_freqs(c.head_dim, theta=c.rope_theta,
                                        freq_scale=c.rope_freq_scale)
         self.embed_scale = np.float32(math.sqrt(c.dim))
+        # a single token's layers in a few compiled calls each (models/decode.py)
+        self.decode_step = DecodeStep(c, self.decode_layers())
+
+    def decode_layers(self) -> list[DecodeLayer]:
+        """The layers as the decode step runs them: QK-norm per head, the local or global
+        RoPE tables, scale and sliding window, post-norms around attention and the FFN,
+        GeGLU."""
+        return [DecodeLayer(attn_norm=lay.attn_norm, qkv=parts(lay.wqkv), bias=None,
+                            q_norm=lay.q_norm, k_norm=lay.k_norm, rope=not self.config.is_local(i),
+                            options=self.attention_options(i), wo=lay.wo,
+                            post_attn_norm=lay.post_attn_norm, ffn_norm=lay.ffn_norm,
+                            gate_up=parts(lay.w_gate_up), gelu=True, down=lay.w_down,
+                            post_ffn_norm=lay.post_ffn_norm)
+                for i, lay in enumerate(self.weights.layers)]
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """ids (T,) -> (T, dim) float32 rows of the embedding table times sqrt(dim)."""

@@ -27,7 +27,7 @@ import numpy as np
 
 from cfr_atlas.errors import ConfigError, ModelFormatError, UnsupportedArchitectureError
 from cfr_atlas.models.batch import BatchItem, batched_forward, forward_layers
-from cfr_atlas.models.decode import DecodeStep
+from cfr_atlas.models.decode import DecodeLayer, DecodeStep, parts
 from cfr_atlas.models.expert_memory import build_store, parse_expert_budget
 from cfr_atlas.models.gguf_io import GGUFFile
 from cfr_atlas.models.moe import NORM_TOPK, DenseFfn, MoeFfn, link_layers
@@ -337,7 +337,22 @@ class LlamaModel:
         # recompute regenerator never pays for them (~6% of the bundled model's repack)
         self._kv_weights: list[list | None] = [None] * c.n_layers
         # a single token's layers in a few compiled calls each (None: forward_layers' pieces)
-        self.decode_step = DecodeStep(self) if DecodeStep.applies(self) else None
+        layers = self.decode_layers()
+        self.decode_step = None if layers is None else DecodeStep(c, layers)
+
+    def decode_layers(self) -> list[DecodeLayer] | None:
+        """The layers as the decode step runs them (models/decode.py): dense models without
+        QK-norm whose FFNs share one hidden size; None for the others."""
+        c, layers = self.config, self.weights.layers
+        if c.n_experts or c.qk_norm or not all(
+                isinstance(lay.ffn, DenseFfn) and lay.ffn.hidden_dim == layers[0].ffn.hidden_dim
+                for lay in layers):
+            return None
+        return [DecodeLayer(attn_norm=lay.attn_norm, qkv=parts(lay.wqkv), bias=lay.bqkv,
+                            q_norm=None, k_norm=None, rope=None, options={}, wo=lay.wo,
+                            post_attn_norm=None, ffn_norm=lay.ffn_norm,
+                            gate_up=parts(lay.ffn.w_gate_up), gelu=False, down=lay.ffn.w_down,
+                            post_ffn_norm=None) for lay in layers]
 
     def set_experts(self, budget=None, policy: str = "lru", profile: dict | None = None):
         """Replace the expert store (a new budget or policy) without reloading the model; the

@@ -288,16 +288,17 @@ class Session:
                                        **score)
 
     def decode_attend(self, layer: int, pos0: int, x: np.ndarray, k_st: np.ndarray,
-                      v_st: np.ndarray, q: np.ndarray, out: np.ndarray) -> np.ndarray:
+                      v_st: np.ndarray, q: np.ndarray, out: np.ndarray, **score) -> np.ndarray:
         """`store_attend` for the decode step (models/decode.py), whose kernel has checked and
         rounded the rows as `Atlas.stored_rows` does (k_st, v_st) and checked q (finite,
-        float32, C-contiguous); default score options. The regenerator's copy first, then
-        `Atlas.decode_attend` (the compiled walk, into out) or, when that does not apply,
-        `Atlas.write_attend`: the same calls store_attend makes after its checks."""
+        float32, C-contiguous); score: scale and window at most. The regenerator's copy
+        first, then `Atlas.decode_attend` (the compiled walk, into out) or, when that does not
+        apply, `Atlas.write_attend`: the same calls store_attend makes after its checks."""
         self.backend.record(layer, pos0, x, k_st, v_st)
-        attn = self.atlas.decode_attend(self.backend, layer, pos0, k_st, v_st, q, out)
+        attn = self.atlas.decode_attend(self.backend, layer, pos0, k_st, v_st, q, out, **score)
         if attn is None:
-            attn = self.atlas.write_attend(self.backend, layer, pos0, k_st, v_st, q, self.policy)
+            attn = self.atlas.write_attend(self.backend, layer, pos0, k_st, v_st, q, self.policy,
+                                           **score)
         return attn
 
     # --- memory ------------------------------------------------------------------------------
