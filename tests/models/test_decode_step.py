@@ -113,3 +113,46 @@ def test_threads_share_a_model(tiny_qwen2):
     for t in threads:
         t.join()
     assert all(np.array_equal(g, want) for g in got)
+
+
+def test_a_decode_batch_takes_the_step_and_equals_each_sequence_alone(path, tmp_path,
+                                                                       monkeypatch):
+    """forward_batch of single tokens (the server's decode step) runs DecodeStep.run over
+    every sequence at once: each row equals its sequence run alone through the pieces, for
+    unbounded, spill and recompute sequences of one storage dtype."""
+    from cfr_atlas.models.batch import BatchItem
+
+    model = load_model(path, matmul="int8")
+    c = model.config
+    page = 4 * c.head_dim * 2 * 2
+    kws = [{}, {"kv_budget": 4 * page + 768, "cache_dir": tmp_path / "b"},
+           {"kv_budget": 4 * page + 768 + 60 * c.n_layers * c.dim * 4,
+            "regenerator": "recompute"}]
+    solo_kws = [{**kw, "cache_dir": tmp_path / "s"} if "cache_dir" in kw else kw for kw in kws]
+    batch = [model.session(page_tokens=4, context_limit=60, **kw) for kw in kws]
+    solo = [model.session(page_tokens=4, context_limit=60, **kw) for kw in solo_kws]
+    runs = []
+    real = DecodeStep.run
+    monkeypatch.setattr(DecodeStep, "run",
+                        lambda self, s, *a: runs.append(len(s)) or real(self, s, *a))
+    try:
+        for i, n in enumerate((9, 21, 14)):  # prefills of different lengths
+            model.net.forward_chunk(batch[i], IDS[:n], output=False)
+            model.net.forward_chunk(solo[i], IDS[:n], output=False)
+        for step in range(8):
+            toks = [IDS[(9 * i + step) % len(IDS)] for i in range(3)]
+            got = model.net.forward_batch([BatchItem(s, np.array([t], dtype=np.int64))
+                                           for s, t in zip(batch, toks, strict=True)])
+            model.net.decode_step, step_fn = None, model.net.decode_step  # the pieces alone
+            try:
+                want = [model.net.forward_chunk(s, np.array([t], dtype=np.int64),
+                                                all_logits=False)
+                        for s, t in zip(solo, toks, strict=True)]
+            finally:
+                model.net.decode_step = step_fn
+            assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True)), step
+        assert runs == [3] * 8  # every decode batch went through the step, whole
+        assert batch[1].telemetry_summary()["pages_regenerated"] > 0
+    finally:
+        for s in batch + solo:
+            s.close()

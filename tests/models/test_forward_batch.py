@@ -102,14 +102,16 @@ def test_a_failing_item_leaves_the_others_exact(model, tmp_path):
         for s in range(4):  # everyone prefilled alike
             model.net.forward_batch([BatchItem(batch[s], prompts[s])])
             _solo(model, solo[s], prompts[s], False, True, False)
-        real = batch[1].store_attend
+        real = batch[1].backend.record
 
-        def failing_store_attend(layer, pos0, x, k, v, q, **score):
+        def failing_record(layer, pos0, x, k, v):
             if layer == 1:
                 raise RegeneratorError("L1/H0/p0", "page file vanished")
-            return real(layer, pos0, x, k, v, q, **score)
+            return real(layer, pos0, x, k, v)
 
-        batch[1].store_attend = failing_store_attend  # the spill sequence fails in layer 1
+        # the spill sequence fails in layer 1: its regenerator's copy, which both the pieces'
+        # store_attend and the decode step's decode_attend make first
+        batch[1].backend.record = failing_record
         bad = np.array([model.config.vocab_size], dtype=np.int64)
         for _ in range(3):
             tokens = rng.integers(0, model.config.vocab_size, 4)

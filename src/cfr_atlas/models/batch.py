@@ -109,12 +109,12 @@ def one_by_one(net, items: list[BatchItem]) -> list:
     return results
 
 
-def _take(tables, keep: np.ndarray):
+def take_rows(tables, keep: np.ndarray):
     """RoPE tables (arrays, or tuples / dicts of them, one row per activation row) at `keep`."""
     if isinstance(tables, dict):
-        return {key: _take(value, keep) for key, value in tables.items()}
+        return {key: take_rows(value, keep) for key, value in tables.items()}
     if isinstance(tables, tuple):
-        return tuple(_take(value, keep) for value in tables)
+        return tuple(take_rows(value, keep) for value in tables)
     return tables[keep]
 
 
@@ -140,7 +140,10 @@ def batched_forward(net, items: list[BatchItem]) -> list:
     advanced, some layers' rows stored): close it, as after a failed `forward_chunk`. Only
     an error in a shared kernel (a bug, or out of memory) propagates: then every item's
     session is mid-chunk. A batch of one is `forward_chunk` itself (whatever makes one
-    sequence fast serves it; the tests hold both paths to the same bits).
+    sequence fast serves it; the tests hold both paths to the same bits). A step of single
+    tokens (decode) goes through `net.decode_step.run` when the family has one and the
+    sessions share a storage dtype: the same arithmetic in a few compiled calls per layer
+    (models/decode.py), errors kept with their item the same way.
     """
     results: list = [None] * len(items)
     live, seen = [], set()
@@ -165,6 +168,16 @@ def batched_forward(net, items: list[BatchItem]) -> list:
     net.begin_step()
     x = net.embed(np.concatenate([items[j].ids for j in live]))
     rope = net.rope(rows.positions())
+    sessions = [items[j].session for j in live]
+    if net.decode_step is not None and all(len(items[j].ids) == 1 for j in live) \
+            and net.decode_step.serves(sessions):  # one token each: the decode step's rows
+        x, failed = net.decode_step.run(sessions, [rows.pos0[j] for j in live], x, rope)
+        for k, exc in failed.items():
+            results[live[k]] = exc
+        rows.drop([live[k] for k in failed])
+        if not rows.live:
+            return results
+        return _advance_and_output(net, items, rows, x, results)
     for i in range(net.config.n_layers):
         q, k, v = net.attention_inputs(i, x, rope)
         options = net.attention_options(i)
@@ -179,10 +192,15 @@ def batched_forward(net, items: list[BatchItem]) -> list:
                 failed.append(j)
         if failed:
             keep = rows.drop(failed)
-            x, attn, rope = x[keep], attn[keep], _take(rope, keep)
+            x, attn, rope = x[keep], attn[keep], take_rows(rope, keep)
             if not rows.live:
                 return results
         x = net.layer_output(i, x, attn)
+    return _advance_and_output(net, items, rows, x, results)
+
+
+def _advance_and_output(net, items, rows: Rows, x: np.ndarray, results: list) -> list:
+    """After the layers: count each live item's tokens, then its outputs."""
     for j in list(rows.live):
         try:
             items[j].session.advance(items[j].ids)

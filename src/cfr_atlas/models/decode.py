@@ -43,6 +43,7 @@ import numpy as np
 from numba import njit
 
 from cfr_atlas.atlas.storage import format_of, round_checked
+from cfr_atlas.models.batch import take_rows
 from cfr_atlas.ops.activations import _gelu1, _silu1
 from cfr_atlas.ops.norm import _rms_norm_kernel
 from cfr_atlas.ops.rope import _rotate_kernel
@@ -115,26 +116,29 @@ def _finite(a) -> bool:
 @njit(cache=True, nogil=True)
 def qkv_rows(qkv, bias, has_bias, q_norm, k_norm, has_norm, eps, cos, sin, neox, fmt,
              q_in, k_in, q, k, v, k_st, v_st) -> bool:
-    """The fused Q|K|V row (1, nq + 2 nkv) -> q (1, n_heads, hd) and k (1, n_kv, hd) rotated
-    (ops.rope's kernel; q_in, k_in: scratch for the unrotated rows), v (1, n_kv, hd), and k, v
-    rounded to the storage format into k_st, v_st. The bias, when has_bias, is added first in
-    float32, as `qkv += bias`; with has_norm each head of q and k is RMS-normed (ops.norm's
-    kernel, one row per head) before the rotation. True when k and v are storable
-    (`Atlas.stored_rows` would accept them) and q is finite (`Atlas.write_attend` would); else
-    False, and the caller takes `Session.store_attend`, which raises."""
-    row = qkv.ravel()
-    qf, kf, vf = q_in.ravel(), k_in.ravel(), v.ravel()
-    n_q, n_kv = qf.size, kf.size
-    for i in range(n_q):
-        qf[i] = row[i] + bias[i] if has_bias else row[i]
-    for i in range(n_kv):
-        kf[i] = row[n_q + i] + bias[n_q + i] if has_bias else row[n_q + i]
-    for i in range(n_kv):
-        j = n_q + n_kv + i
-        vf[i] = row[j] + bias[j] if has_bias else row[j]
+    """Fused Q|K|V rows (n, nq + 2 nkv), one token each -> q (n, n_heads, hd) and k (n, n_kv,
+    hd) rotated (ops.rope's kernel, row t by cos[t], sin[t]; q_in, k_in: scratch for the
+    unrotated rows), v (n, n_kv, hd), and k, v rounded to the storage format into k_st, v_st.
+    The bias, when has_bias, is added first in float32, as `qkv += bias`; with has_norm each
+    head of q and k is RMS-normed (ops.norm's kernel, one row per head) before the rotation.
+    True when k and v are storable (`Atlas.stored_rows` would accept them) and q is finite
+    (`Atlas.write_attend` would); else False, and the caller takes `Session.store_attend`,
+    which raises for the rows at fault."""
+    n = qkv.shape[0]
+    n_q, n_kv = q_in.shape[1] * q_in.shape[2], k_in.shape[1] * k_in.shape[2]
+    qf, kf, vf = q_in.reshape(n, n_q), k_in.reshape(n, n_kv), v.reshape(n, n_kv)
+    for t in range(n):
+        for i in range(n_q):
+            qf[t, i] = qkv[t, i] + bias[i] if has_bias else qkv[t, i]
+        for i in range(n_kv):
+            j = n_q + i
+            kf[t, i] = qkv[t, j] + bias[j] if has_bias else qkv[t, j]
+        for i in range(n_kv):
+            j = n_q + n_kv + i
+            vf[t, i] = qkv[t, j] + bias[j] if has_bias else qkv[t, j]
     if has_norm:
         hd = q_in.shape[2]
-        q2, k2 = q_in.reshape(n_q // hd, hd), k_in.reshape(n_kv // hd, hd)
+        q2, k2 = q_in.reshape(n * n_q // hd, hd), k_in.reshape(n * n_kv // hd, hd)
         _rms_norm_kernel(q2, q_norm, eps, q2)
         _rms_norm_kernel(k2, k_norm, eps, k2)
     _rotate_kernel(q_in, cos, sin, neox, 1.0, q)
@@ -146,30 +150,32 @@ def qkv_rows(qkv, bias, has_bias, q_norm, k_norm, has_norm, eps, cos, sin, neox,
 
 @njit(cache=True, nogil=True)
 def gated_rows(gu, gelu, a):
-    """gu (1, 2 hid) the fused gate|up row -> a (1, hid) = act(gate) * up, elementwise as
+    """gu (n, 2 hid) fused gate|up rows -> a (n, hid) = act(gate) * up, elementwise as
     ops.activations' swiglu (act = silu) or geglu (gelu) kernel computes it."""
     hid = a.shape[1]
-    for j in range(hid):
-        g = _gelu1(gu[0, j]) if gelu else _silu1(gu[0, j])
-        a[0, j] = g * gu[0, hid + j]
+    for t in range(a.shape[0]):
+        for j in range(hid):
+            g = _gelu1(gu[t, j]) if gelu else _silu1(gu[t, j])
+            a[t, j] = g * gu[t, hid + j]
 
 
 class _Buffers:
-    """One thread's rows for one step (a model may serve sequences from several threads)."""
+    """One thread's rows for a step of n tokens (a model may serve sequences from several
+    threads)."""
 
-    def __init__(self, c, hidden: int):
+    def __init__(self, c, hidden: int, n: int):
         f32 = np.float32
         nq, nkv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        self.x, self.h = np.empty((1, c.dim), f32), np.empty((1, c.dim), f32)
-        self.o, self.d = np.empty((1, c.dim), f32), np.empty((1, c.dim), f32)
-        self.tmp = np.empty((1, c.dim), f32)
-        self.qkv = np.empty((1, nq + 2 * nkv), f32)
-        self.q_in, self.q = (np.empty((1, c.n_heads, c.head_dim), f32) for _ in range(2))
-        self.k_in, self.k, self.v = (np.empty((1, c.n_kv_heads, c.head_dim), f32)
+        self.x, self.h = np.empty((n, c.dim), f32), np.empty((n, c.dim), f32)
+        self.o, self.d = np.empty((n, c.dim), f32), np.empty((n, c.dim), f32)
+        self.tmp = np.empty((n, c.dim), f32)
+        self.qkv = np.empty((n, nq + 2 * nkv), f32)
+        self.q_in, self.q = (np.empty((n, c.n_heads, c.head_dim), f32) for _ in range(2))
+        self.k_in, self.k, self.v = (np.empty((n, c.n_kv_heads, c.head_dim), f32)
                                      for _ in range(3))
-        self.q4 = self.q.reshape(1, c.n_kv_heads, c.group, c.head_dim)  # a view of q
-        self.attn = np.empty((1, c.n_kv_heads, c.group, c.head_dim), f32)
-        self.gu, self.a = np.empty((1, 2 * hidden), f32), np.empty((1, hidden), f32)
+        self.q4 = self.q.reshape(n, c.n_kv_heads, c.group, c.head_dim)  # a view of q
+        self.attn = np.empty((n, c.n_kv_heads, c.group, c.head_dim), f32)
+        self.gu, self.a = np.empty((n, 2 * hidden), f32), np.empty((n, hidden), f32)
         self.stored: dict = {}  # storage array dtype -> (k_st, v_st)
 
     def stored_rows(self, dtype: np.dtype, shape) -> tuple[np.ndarray, np.ndarray]:
@@ -177,6 +183,19 @@ class _Buffers:
         if rows is None:
             rows = self.stored[dtype] = (np.empty(shape, dtype), np.empty(shape, dtype))
         return rows
+
+
+def _products(ws: list, h: np.ndarray, out: np.ndarray) -> None:
+    """out = h W^T for `parts` ws: one weight writes out itself; several write their columns
+    (in place for one row, whose columns are contiguous; through a row block otherwise)."""
+    if len(ws) == 1:
+        ws[0][0].product(h, out)
+        return
+    for w, cols in ws:
+        if out.shape[0] == 1:
+            w.product(h, out[:, cols])
+        else:
+            out[:, cols] = w.product(h, np.empty((out.shape[0], w.shape[0]), np.float32))
 
 
 _NONE = np.zeros(1, dtype=np.float32)  # an absent bias or norm, never read
@@ -195,47 +214,93 @@ class DecodeStep:
             raise ValueError("the decode step needs one hidden size for every layer")
         self._local = threading.local()
 
-    def _buffers(self) -> _Buffers:
-        b = getattr(self._local, "buffers", None)
+    def _buffers(self, n: int) -> _Buffers:
+        sets = getattr(self._local, "buffers", None)
+        if sets is None:
+            sets = self._local.buffers = {}
+        b = sets.get(n)
         if b is None:
-            b = self._local.buffers = _Buffers(self.config, self.hidden)
+            b = sets[n] = _Buffers(self.config, self.hidden, n)
         return b
 
     def __call__(self, session, pos0: int, x0: np.ndarray, rope) -> np.ndarray:
         """x0 (1, dim): the token's embedding at position pos0, rope its tables -> the last
-        layer's output (1, dim), a new array; the session holds the token's K/V rows after."""
-        b, eps = self._buffers(), self.eps
-        dtype = session.atlas.config.dtype
+        layer's output (1, dim), a new array; the session holds the token's K/V rows after.
+        An error of the session's attention is raised."""
+        x, failed = self.run([session], [pos0], x0, rope)
+        if failed:
+            raise failed[0]
+        return x
+
+    @staticmethod
+    def serves(sessions: list) -> bool:
+        """Whether one `run` may take these sessions: they share a storage dtype."""
+        return len({s.atlas.config.dtype for s in sessions}) == 1
+
+    def run(self, sessions: list, pos0s: list, x0: np.ndarray, rope) -> tuple[np.ndarray, dict]:
+        """One token of each session (a `serves` list): x0 (n, dim) their embeddings in order,
+        pos0s their positions, rope their tables (one row each) -> (the last layer's output
+        of the sessions still in the step, in order, a new array; {index in sessions: the
+        exception its attention raised}). A session whose attention raises leaves the step
+        at that layer, its rows dropped (the others' rows do not change: every kernel is
+        row-independent), its session mid-token, as `batch.batched_forward` leaves it."""
+        live = list(range(len(sessions)))
+        failed: dict = {}
+        dtype = sessions[0].atlas.config.dtype
         fmt = format_of(dtype)
-        k_st, v_st = b.stored_rows(dtype.array_dtype, b.k.shape)
-        x, h, d, tmp = b.x, b.h, b.d, b.tmp
-        x[...] = x0
+        b = self._buffers(len(live))
+        b.x[...] = x0
         post = None  # the previous layer's post-FFN norm
+        eps = self.eps
         for i, lay in enumerate(self.layers):
+            x, h, d, tmp = b.x, b.h, b.d, b.tmp
             if i:
                 residual_norm(x, d, _NONE if post is None else post, post is not None,
                               lay.attn_norm, eps, tmp, h)
             else:
                 _rms_norm_kernel(x, lay.attn_norm, eps, h)
-            for w, cols in lay.qkv:
-                w.product(h, b.qkv[:, cols])
+            _products(lay.qkv, h, b.qkv)
+            k_st, v_st = b.stored_rows(dtype.array_dtype, b.k.shape)
             cos, sin = rope if lay.rope is None else rope[lay.rope]
             has_norm = lay.q_norm is not None
-            if qkv_rows(b.qkv, _NONE if lay.bias is None else lay.bias, lay.bias is not None,
-                        lay.q_norm if has_norm else _NONE, lay.k_norm if has_norm else _NONE,
-                        has_norm, eps, cos, sin, self.neox, fmt, b.q_in, b.k_in, b.q, b.k, b.v,
-                        k_st, v_st):
-                attn = session.decode_attend(i, pos0, x, k_st, v_st, b.q4, b.attn, **lay.options)
-            else:  # not storable, or q not finite: the general call raises what it raises
-                attn = session.store_attend(i, pos0, x, b.k, b.v, b.q4, **lay.options)
-            lay.wo.product(attn.reshape(1, -1), b.o)
+            stored = qkv_rows(b.qkv, _NONE if lay.bias is None else lay.bias,
+                              lay.bias is not None, lay.q_norm if has_norm else _NONE,
+                              lay.k_norm if has_norm else _NONE, has_norm, eps, cos, sin,
+                              self.neox, fmt, b.q_in, b.k_in, b.q, b.k, b.v, k_st, v_st)
+            gone = []
+            for r, j in enumerate(live):  # per sequence: its own K/V
+                rows, out = slice(r, r + 1), b.attn[r:r + 1]
+                try:
+                    if stored:
+                        a = sessions[j].decode_attend(i, pos0s[j], x[rows], k_st[rows],
+                                                      v_st[rows], b.q4[rows], out, **lay.options)
+                    else:  # not storable, or q not finite: the general call raises its errors
+                        a = sessions[j].store_attend(i, pos0s[j], x[rows], b.k[rows],
+                                                     b.v[rows], b.q4[rows], **lay.options)
+                    if a is not out:
+                        out[...] = a.reshape(out.shape)
+                except Exception as exc:
+                    failed[j] = exc
+                    gone.append(r)
+            if gone:
+                if len(gone) == len(live):
+                    return x[:0].copy(), failed
+                keep = np.ones(len(live), dtype=bool)
+                keep[gone] = False
+                live = [j for r, j in enumerate(live) if keep[r]]
+                attn = b.attn[keep]
+                kept = self._buffers(len(live))
+                kept.x[...] = x[keep]
+                kept.attn[...] = attn
+                b, rope = kept, take_rows(rope, keep)
+            x, h, d, tmp = b.x, b.h, b.d, b.tmp
+            lay.wo.product(b.attn.reshape(len(live), -1), b.o)
             pa = lay.post_attn_norm
             residual_norm(x, b.o, _NONE if pa is None else pa, pa is not None, lay.ffn_norm,
                           eps, tmp, h)
-            for w, cols in lay.gate_up:
-                w.product(h, b.gu[:, cols])
+            _products(lay.gate_up, h, b.gu)
             gated_rows(b.gu, lay.gelu, b.a)
             lay.down.product(b.a, d)
             post = lay.post_ffn_norm
-        residual(x, d, _NONE if post is None else post, post is not None, eps, tmp)
-        return x.copy()
+        residual(b.x, b.d, _NONE if post is None else post, post is not None, eps, b.tmp)
+        return b.x.copy(), failed
