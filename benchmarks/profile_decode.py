@@ -50,18 +50,25 @@ PARTS = ("matmul", "head", "store_attend")
 
 
 class Timers:
-    """Wall time inside QuantWeight.matmul (the layers), QuantWeight.matmul_refined (the output
-    head) and Session.store_attend, outermost calls only."""
+    """Wall time inside QuantWeight.matmul / product (the layers), QuantWeight.matmul_refined
+    (the output head) and Session.store_attend / decode_attend, outermost calls only, while
+    the patches are on (`close` takes them off). One thread: the profile's own."""
 
     def __init__(self):
         self.seconds = defaultdict(float)
         self._depth = 0
+        self._saved = []
         for cls, name, part in ((QuantWeight, "matmul", "matmul"),
                                 (QuantWeight, "product", "matmul"),
                                 (QuantWeight, "matmul_refined", "head"),
                                 (Session, "store_attend", "store_attend"),
                                 (Session, "decode_attend", "store_attend")):
+            self._saved.append((cls, name, cls.__dict__[name]))
             setattr(cls, name, self._wrap(getattr(cls, name), part))
+
+    def close(self) -> None:
+        for cls, name, fn in self._saved:
+            setattr(cls, name, fn)
 
     def _wrap(self, fn, part):
         def timed(*args, **kw):
@@ -120,6 +127,7 @@ def profile(model, ids: np.ndarray, context: int, tokens: int, rounds: int) -> d
             calls[path] = pstats.Stats(prof).total_calls / 4
     finally:
         _use_path(model, "step", step)
+        timers.close()
         for s in sessions.values():
             s.close()
     out = {}
@@ -140,7 +148,7 @@ def table(results: dict) -> str:
                          f"{r['head_ms']:.1f} | {r['store_attend_ms']:.1f} | {r['rest_ms']:.1f} | "
                          f"{r['calls']:,.0f} |")
         first = next(iter(modes))
-        for other in list(modes)[1:]:  # each path against the fastest one, step when there
+        for other in list(modes)[1:]:  # each path against the first (the step, when there)
             a, b = modes[first], modes[other]
             lines.append(f"| {context:,} | {other} / {first} | "
                          f"{b['total_ms'] / a['total_ms']:.2f}x | | | "

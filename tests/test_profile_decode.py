@@ -18,7 +18,7 @@ from cfr_atlas.testing import write_tiny_gguf
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def test_profile_prints_both_paths(tmp_path, capsys):
+def test_profile_prints_every_path(tmp_path, capsys):
     sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location("profile_decode",
                                                   BENCHMARKS / "profile_decode.py")
@@ -52,5 +52,10 @@ def test_the_model_keeps_its_decode_step(tmp_path):
     model = load_model(write_tiny_gguf(tmp_path / "tiny.gguf", qtype="Q8_0"))
     step = model.net.decode_step
     ids = np.arange(1, 40, dtype=np.int64)
+    from cfr_atlas.models.session import Session
+    from cfr_atlas.quant.weight import QuantWeight
+
+    before = (QuantWeight.product, QuantWeight.matmul, Session.decode_attend)
     prof.profile(model, ids, 5, 2, 1)
     assert model.net.decode_step is step and step is not None
+    assert (QuantWeight.product, QuantWeight.matmul, Session.decode_attend) == before

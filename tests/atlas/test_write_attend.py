@@ -144,3 +144,30 @@ def test_errors_leave_the_state_of_the_two_calls():
             two.attend_heads(RowsKv(None, None), 0, range(H), query, 6, **opts)
         assert cache_state(one) == cache_state(two)
         assert _telemetry(one) == _telemetry(two)
+
+
+def test_a_regenerator_refusing_the_walk_leaves_the_state_of_the_two_calls():
+    """A `map_pages` that raises (a page file gone) takes the two general calls: the rows are
+    written, then the attention raises, as write_stored then attend_heads do."""
+    from cfr_atlas.errors import CorruptPageError
+
+    class Refusing(RowsKv):
+        def _map_pages(self, *a):
+            raise CorruptPageError("page file gone")
+
+    one, two = _atlas("float16", None, False), _atlas("float16", None, False)
+    rng = np.random.default_rng(2)
+    k = rng.standard_normal((6, H, D)).astype(np.float32)
+    v = rng.standard_normal((6, H, D)).astype(np.float32)
+    q = rng.standard_normal((1, H, G, D)).astype(np.float32)
+    for atlas in (one, two):
+        k_st, v_st = atlas.stored_rows(0, k[:5], v[:5])
+        atlas.write_stored(0, 0, k_st, v_st)
+    k_st, v_st = one.stored_rows(5, k[5:], v[5:])
+    with pytest.raises(CorruptPageError):
+        one.write_attend(Refusing(None, None, maps=True), 0, 5, k_st, v_st, q, None)
+    two.write_stored(0, 5, k_st, v_st)
+    with pytest.raises(CorruptPageError):
+        two.attend_heads(Refusing(None, None, maps=True), 0, range(H), q, 6)
+    assert cache_state(one) == cache_state(two)
+    assert _telemetry(one) == _telemetry(two)

@@ -18,15 +18,23 @@ from cfr_atlas.models.decode import DecodeStep
 IDS = np.random.default_rng(3).integers(0, 256, size=40).astype(np.int64)
 
 
-def _decode(model, ids, step_on: bool, **kv) -> np.ndarray:
-    """Logits of every position, one token per forward_chunk call (decode_step on or off)."""
+def _decode(model, ids, step_on: bool, telemetry: list | None = None, **kv) -> np.ndarray:
+    """Logits of every position, one token per forward_chunk call (decode_step on or off);
+    the session's Atlas telemetry appended to `telemetry` (timings left out)."""
     net = model.net
     saved = net.decode_step
     net.decode_step = saved if step_on else None
     try:
         s = model.session(context_limit=len(ids), **kv)
         try:
-            return np.concatenate([net.forward_chunk(s, ids[i:i + 1]) for i in range(len(ids))])
+            out = np.concatenate([net.forward_chunk(s, ids[i:i + 1]) for i in range(len(ids))])
+            if telemetry is not None:
+                t = s.atlas.telemetry()
+                telemetry.append({**{k: v for k, v in vars(t.total).items()
+                                     if not k.endswith("seconds")},
+                                  "resident": t.resident_bytes, "held": t.held_bytes,
+                                  "allocated": t.allocated_bytes, "pages": t.resident_pages})
+            return out
         finally:
             s.close()
     finally:
@@ -47,13 +55,28 @@ def path(request, tiny_gguf):
 
 @pytest.mark.parametrize("matmul", ["float", "int8"])
 @pytest.mark.parametrize("storage", ["float16", "bfloat16", "float32"])
-def test_step_equals_the_general_path_and_prefill(path, matmul, storage):
+def test_step_equals_the_general_path_and_prefill(path, matmul, storage, monkeypatch):
+    from cfr_atlas.atlas.runtime import Atlas
+
     model = load_model(path, matmul=matmul)
     assert model.net.decode_step is not None
-    on = _decode(model, IDS, True, storage_dtype=storage, page_tokens=8)
-    off = _decode(model, IDS, False, storage_dtype=storage, page_tokens=8)
+    walks, real = [], Atlas.decode_attend
+
+    def spy(self, *a, **k):  # which calls the compiled walk served
+        out = real(self, *a, **k)
+        walks.append(out is not None)
+        return out
+
+    monkeypatch.setattr(Atlas, "decode_attend", spy)
+    tel: list = []
+    on = _decode(model, IDS, True, tel, storage_dtype=storage, page_tokens=8)
+    off = _decode(model, IDS, False, tel, storage_dtype=storage, page_tokens=8)
     assert np.array_equal(on, off)
     assert np.array_equal(on, model.logits(IDS, storage_dtype=storage, page_tokens=8))
+    assert tel[0] == tel[1]  # counters, residency and allocations alike
+    n = model.config.n_layers
+    # the compiled walk served every token but a page's first (5 of 40 with 8-token pages)
+    assert walks.count(True) == 35 * n and walks.count(False) == 5 * n
 
 
 @pytest.mark.parametrize("regen", ["spill", "recompute"])
@@ -85,18 +108,24 @@ def test_which_models_take_the_step(tiny_gguf):
         assert moe.net.decode_step is None and moe.net.decode_layers() is None
 
 
-def test_rows_that_are_not_finite_raise_as_the_general_path_does(tiny_qwen2):
+@pytest.mark.parametrize("column, value, says", [
+    (-1, np.inf, "not finite"),  # V's last column of layer 1: not storable
+    (-1, 7e4, "overflow float16"),  # finite, but past float16's largest
+    (0, np.nan, "query is not finite"),  # the query: its rows are written, then the error
+])
+def test_rows_the_checks_refuse_raise_as_the_general_path_does(tiny_qwen2, column, value,
+                                                               says):
     errors = []
     for step_on in (True, False):
         model = load_model(tiny_qwen2)
         lay = model.net.weights.layers[1]
         lay.bqkv = lay.bqkv.copy()
-        lay.bqkv[-1] = np.inf  # V's last column of layer 1: not storable
+        lay.bqkv[column] = value
         model.net.decode_step = DecodeStep(model.config, model.net.decode_layers())
         with pytest.raises(NumericError) as e:
             _decode(model, IDS[:3], step_on)
         errors.append(str(e.value))
-    assert errors[0] == errors[1]
+    assert errors[0] == errors[1] and says in errors[0]
 
 
 def test_threads_share_a_model(tiny_qwen2):

@@ -283,8 +283,18 @@ class Atlas:
         the rows grow resident pages in place and every page the query reads is hot, exactly
         what `write_attend` returns and records then; else None, with nothing changed (the
         caller takes `write_attend`)."""
-        args = _default_score(query.shape[1], query.shape[2],
-                              self.config.query_scale() if scale is None else float(scale),
+        cfg = self.config
+        T, H, G = query.shape[:3]
+        if (k_st.shape != (T, H, cfg.head_dim) or k_st.dtype != cfg.dtype.array_dtype
+                or v_st.shape != (T, H, cfg.stored_value_dim) or v_st.dtype != k_st.dtype
+                or (out is not None and (out.shape != (T, H, G, cfg.out_dim)
+                                         or out.dtype != np.float32
+                                         or not out.flags.c_contiguous))):
+            raise DimensionError(f"decode_attend: rows {k_st.dtype} {k_st.shape} / "
+                                 f"{v_st.shape}, query {query.shape}, out "
+                                 f"{None if out is None else out.shape} do not fit "
+                                 f"(head_dim {cfg.head_dim}, {cfg.dtype.value} storage)")
+        args = _default_score(H, G, cfg.query_scale() if scale is None else float(scale),
                               0 if window is None else int(window))
         return self._walk_hot(backend, layer, start_token, k_st, v_st, query, args, out)
 
@@ -294,8 +304,12 @@ class Atlas:
         T = k_st.shape[0]
         context, P = start + T, self.config.page_tokens
         lo = first_page(context - T - args[3] + 1, P) if args[3] else 0
-        # a walk with no miss (a regenerator that maps pages is told so first)
-        if not self._hot_walk_known(backend, layer, start, k_st, v_st, lo, context):
+        # a walk with no miss (a regenerator that maps pages is told so first; if it refuses,
+        # the two general calls run and raise what they raise, after the write)
+        try:
+            if not self._hot_walk_known(backend, layer, start, k_st, v_st, lo, context):
+                return None
+        except AtlasError:
             return None
         slots = self.cache.append_walk(layer, start, k_st, v_st, lo,
                                        (self._tick + 1, self._tick + 2))
@@ -497,12 +511,7 @@ class Atlas:
         pages, tokens = n_head * n_pg, (context - lo * cfg.page_tokens) * n_head
         self._last = Counters(calls=1, pages_folded=pages, hot_hits=pages,
                               tokens_consumed=tokens, fold_seconds=seconds)
-        t = self._total  # the write's call and the attend call; only these counters move
-        t.calls += 2
-        t.pages_folded += pages
-        t.hot_hits += pages
-        t.tokens_consumed += tokens
-        t.fold_seconds += seconds
+        self._total.add_hot_walk(self._last)
         return out
 
     def _check_query(self, query, n_head: int) -> np.ndarray:

@@ -203,10 +203,11 @@ def _round1(x, fmt):
 def _round1_ov(x, fmt):
     """One finite float32 -> its stored element, as `round_rows` rounds it (nearest even).
     float16 from the bits: a normal result drops 13 mantissa bits with the carry of round half
-    to even (a carry into the exponent is the next binade, into exponent 31 infinity, as
-    NumPy's cast gives); at 65,520 and above infinity; below 2**-14 (float16 subnormals and
-    zero) |x| * 2**24 is exact and rint rounds it half to even, 1024 being 2**-14 itself.
-    Non-finite inputs give some non-finite pattern (callers refuse them first)."""
+    to even (a carry into the exponent is the next binade, as NumPy's cast gives); at 65,520
+    and above infinity; below 2**-14 (float16 subnormals and zero) |x| * 2**24 is exact and
+    rint rounds it half to even, 1024 being 2**-14 itself. Non-finite inputs give patterns
+    of no meaning (a bfloat16 NaN may even become -0.0): callers check the float32 rows, as
+    `round_checked` does through `storable`."""
     if isinstance(fmt, types.Float):
         return lambda x, fmt: x
     if fmt == types.uint16:

@@ -233,7 +233,8 @@ def forward_layers(net, session, ids: np.ndarray, all_logits: bool, hidden: bool
     """One sequence's chunk through the family's pieces (see `batched_forward`): what every
     family's `forward_chunk` is, so the batched pass and the single one are made of the same
     calls on the same rows. A single token goes through `net.decode_step` when the family has
-    one (models/decode.py: the same arithmetic in a few compiled calls per layer)."""
+    one (models/decode.py: the same arithmetic in a few compiled calls per layer), as a
+    batched step of single tokens does."""
     T, pos0 = ids.shape[0], session.n_tokens
     net.begin_step()
     x = net.embed(ids)

@@ -258,6 +258,8 @@ def expert_store(gf: GGUFFile, c: DeepSeek2Config, matmul: str) -> ExpertStore |
 class DeepSeek2Model:
     """Config + weights + the forward pass. K/V state is passed in (a `Session`)."""
 
+    decode_step = None  # no decode step (models/decode.py): MLA and MoE take their own pass
+
     def __init__(self, gf: GGUFFile, *, matmul: str = "float"):
         self.config = c = DeepSeek2Config.from_gguf(gf)
         self.matmul = check_arithmetic(matmul)

@@ -130,8 +130,12 @@ class QuantWeight:
         return out
 
     def product(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """`matmul` without its checks, for a caller whose buffers are right by construction
-        (x (T, K) and out (T, N) float32, C-contiguous: the decode step's rows)."""
+        """`matmul` into out, with the checks of a caller whose rows are float32 and
+        C-contiguous by construction (the decode step's buffers): the shapes only."""
+        n, k = self.shape
+        if x.shape[1:] != (k,) or out.shape != (x.shape[0], n):
+            raise DimensionError(f"{self.name}: x {x.shape} and out {out.shape} must be "
+                                 f"(T, {k}) and (T, {n})")
         self.codec.matmul(x, self.tiles, out)
         return out
 
