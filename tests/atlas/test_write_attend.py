@@ -122,10 +122,11 @@ def test_write_attend_is_write_then_attend(dtype, score, latent, budget_pages, m
         assert _telemetry(one)["total"]["regenerations"] > 0
 
 
-def test_errors_leave_the_state_of_the_two_calls():
-    """An argument the attention refuses is refused after the write, as by the two calls."""
+def _two_atlases_five_rows_in(seed: int):
+    """Two float16 Atlases holding the same 5 rows of layer 0, a query, and the 6th token's
+    rows stored (k_st, v_st) but not yet written."""
     one, two = _atlas("float16", None, False), _atlas("float16", None, False)
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(seed)
     k = rng.standard_normal((6, H, D)).astype(np.float32)
     v = rng.standard_normal((6, H, D)).astype(np.float32)
     q = rng.standard_normal((1, H, G, D)).astype(np.float32)
@@ -133,6 +134,12 @@ def test_errors_leave_the_state_of_the_two_calls():
         k_st, v_st = atlas.stored_rows(0, k[:5], v[:5])
         atlas.write_stored(0, 0, k_st, v_st)
     k_st, v_st = one.stored_rows(5, k[5:], v[5:])
+    return one, two, q, k_st, v_st
+
+
+def test_errors_leave_the_state_of_the_two_calls():
+    """An argument the attention refuses is refused after the write, as by the two calls."""
+    one, two, q, k_st, v_st = _two_atlases_five_rows_in(1)
     bad = q.copy()
     bad[0, 1, 2, 3] = np.nan
     for query, opts, error in ((bad, {}, NumericError), (q, {"scale": -1.0}, NumericError),
@@ -155,15 +162,7 @@ def test_a_regenerator_refusing_the_walk_leaves_the_state_of_the_two_calls():
         def _map_pages(self, *a):
             raise CorruptPageError("page file gone")
 
-    one, two = _atlas("float16", None, False), _atlas("float16", None, False)
-    rng = np.random.default_rng(2)
-    k = rng.standard_normal((6, H, D)).astype(np.float32)
-    v = rng.standard_normal((6, H, D)).astype(np.float32)
-    q = rng.standard_normal((1, H, G, D)).astype(np.float32)
-    for atlas in (one, two):
-        k_st, v_st = atlas.stored_rows(0, k[:5], v[:5])
-        atlas.write_stored(0, 0, k_st, v_st)
-    k_st, v_st = one.stored_rows(5, k[5:], v[5:])
+    one, two, q, k_st, v_st = _two_atlases_five_rows_in(2)
     with pytest.raises(CorruptPageError):
         one.write_attend(Refusing(None, None, maps=True), 0, 5, k_st, v_st, q, None)
     two.write_stored(0, 5, k_st, v_st)
