@@ -243,20 +243,21 @@ def test_integer_simd_in_assembly(qtype):
     assert not re.search(r"\bvphaddd\b", asm)  # rows line up in lanes: no horizontal adds
 
 
-@pytest.mark.parametrize("nibbles, term", [(False, int8.SCALE), (True, int8.MIN)])
-def test_portable_dots_equal_the_avx2_dots(nibbles, term):
+@pytest.mark.parametrize("bits, term", [(8, int8.SCALE), (4, int8.MIN), (5, int8.OFFSET16),
+                                        (5, int8.MIN)])
+def test_portable_dots_equal_the_avx2_dots(bits, term):
     """The portable IR (machines without AVX2) and the AVX2 intrinsics give the same bits on
-    any weight bytes, including int8 -128 and every nibble 15."""
+    any weight bytes, including int8 -128, every nibble 15 and every 5-bit weight 31."""
     if not int8.AVX2:
         pytest.skip("no AVX2 on numba's target: both kernels are the portable one")
     rng = np.random.default_rng(11)
-    n, k, unit = 70, 256, 16 if nibbles else 32
+    n, k, unit = 70, 256, int8.UNIT[bits]
     q = rng.integers(0, 256, size=(n, k // 32 * unit)).astype(np.uint8)
-    q[:3] = (0xFF if nibbles else 0x80)
+    q[:3] = {8: 0x80, 4: 0xFF, 5: 0xFF}[bits]
     tiles = int8.to_block_tiles(q, unit)
     d = to_tiles(rng.random((n, k // 32)).astype(np.float32))
     m = to_tiles(rng.standard_normal((n, k // 32)).astype(np.float32))
-    kernels = [int8.tile_kernel(nibbles, term, avx2=avx2) for avx2 in (True, False)]
+    kernels = [int8.tile_kernel(bits, term, avx2=avx2) for avx2 in (True, False)]
     for t in (1, 2, 3):
         xq, xd, xsum = int8.quantize(_x(t, k, seed=t))
         got = [np.empty((t, n), dtype=np.float32) for _ in kernels]
@@ -265,7 +266,47 @@ def test_portable_dots_equal_the_avx2_dots(nibbles, term):
         assert_bits_equal(got[0], got[1])
 
 
-@pytest.mark.parametrize("nbytes", [16, 32])
+def test_five_bit_dots_are_exact_at_the_int16_bound():
+    """5-bit weights at scale 1 against integer activations: each output is the exact integer
+    dot of the stored values, also where every weight is 31 and every activation +-127 (each
+    half's int16 sum at its largest, 4 * 2 * 31 * 127 = 31,496), on both dots."""
+    rng = np.random.default_rng(3)
+    n, k = 37, 128
+    q = rng.integers(0, 32, size=(n, k)).astype(np.uint8)
+    q[3], q[4] = 31, 0
+    x = rng.integers(-127, 128, size=(5, k))
+    x[:, ::32] = 127  # every block's scale 1: the activations quantize to themselves
+    x[3], x[4] = 127, -127
+    tiles = int8.to_block_tiles(int8.pack_five(q), int8.UNIT[5])
+    ones = to_tiles(np.ones((n, k // 32), dtype=np.float32))
+    expect = (x @ q.astype(np.int64).T).astype(np.float32)
+    xq, xd, xsum = int8.quantize(x.astype(np.float32))
+    np.testing.assert_array_equal(xq, x)
+    for avx2 in (False, True) if int8.AVX2 else (False,):
+        out = np.empty((5, n), dtype=np.float32)
+        int8.tile_kernel(5, int8.SCALE, avx2=avx2)(xq, xd, xsum, tiles, ones, ones, out)
+        np.testing.assert_array_equal(out, expect)
+
+
+def test_five_bit_packing_by_its_definition():
+    """pack_five: per block the nibbles of q & 15 as pack_nibbles, then byte i with
+    q[4c + i] >> 4 at bit 2c and q[16 + 4c + i] >> 4 at bit 2c + 1; unpack_five inverts it."""
+    rng = np.random.default_rng(4)
+    q = rng.integers(0, 32, size=(6, 96)).astype(np.uint8)
+    packed = int8.pack_five(q)
+    assert packed.shape == (6, 3 * 20)
+    for r in range(6):
+        for b in range(3):
+            blk, p = q[r, b * 32:(b + 1) * 32], packed[r, b * 20:(b + 1) * 20]
+            assert_array_same(p[:16], int8.pack_nibbles((blk & 15)[None])[0])
+            for i in range(4):
+                expect = sum(int(blk[4 * c + i] >> 4) << (2 * c)
+                             | int(blk[16 + 4 * c + i] >> 4) << (2 * c + 1) for c in range(4))
+                assert p[16 + i] == expect
+    assert_array_same(int8.unpack_five(packed), q)
+
+
+@pytest.mark.parametrize("nbytes", [16, 20, 32])
 def test_block_tile_layout(nbytes):
     """to_block_tiles puts byte j of row r, block b at b * TILE_ROWS * nbytes +
     block_byte(r, j, nbytes) of its tile; gather_block_rows reads any rows back."""

@@ -12,6 +12,7 @@ from quant_data import assert_bits_equal, quantized
 from test_quant_int8 import _cpu_flags, _twin, _x
 
 from cfr_atlas.quant import QType, QuantWeight, int8, int8_fields
+from cfr_atlas.quant.subblock import Offset
 from cfr_atlas.quant.weight import CODECS, INT8_CODECS, INT8_FIELDS
 
 FORMATS = list(INT8_FIELDS)
@@ -39,15 +40,16 @@ def test_kernel_equals_twin(qtype, shape, t):
     assert_bits_equal(w.matmul(x), _twin(w, x))
 
 
-@pytest.mark.parametrize("qtype, key", [(QType.Q5_0, (False, False)), (QType.Q5_K, (True, False)),
-                                        (QType.Q4_K, (True, True))])
-def test_integer_simd_in_assembly(qtype, key):
-    """The three kernels (SCALE and MIN on int8 bytes, MIN on Q4_K's nibbles) dot with
-    vpmaddubsw + vpmaddwd on AVX2, and none reduces across lanes (no vphaddd)."""
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_integer_simd_in_assembly(qtype):
+    """Every kernel (SCALE and MIN on int8 bytes, MIN on Q4_K's nibbles, OFFSET16 and MIN on
+    5-bit weights) dots with vpmaddubsw + vpmaddwd on AVX2, and none reduces across lanes (no
+    vphaddd)."""
     if "avx2" not in _cpu_flags() or not int8.AVX2:
         pytest.skip("no AVX2 in /proc/cpuinfo or on numba's target: portable IR is emitted")
     _int8(qtype, quantized(qtype, 16, 256), (16, 256)).matmul(np.ones((1, 256), np.float32))
-    kernel = int8_fields._KERNELS[key]
+    _, offset, width = INT8_FIELDS[qtype]
+    kernel = int8_fields._KERNELS[offset is not Offset.NONE, width]
     fresh = numba.njit(parallel=True)(kernel.py_func)  # numba cannot inspect cached code
     sig = kernel.signatures[0]
     fresh.compile(sig)
@@ -57,8 +59,10 @@ def test_integer_simd_in_assembly(qtype, key):
     assert "vphaddd" not in asm
 
 
-def test_q4_k_weights_are_packed_nibbles():
-    """Q4_K's integer tiles hold half a byte per weight; Q5_K's one byte."""
-    for qtype, per_weight in ((QType.Q4_K, 0.5), (QType.Q5_K, 1.0)):
+def test_weights_are_kept_at_the_width_of_their_values():
+    """Q4_K's integer tiles hold half a byte per weight, the 5-bit formats' 5/8 of a byte
+    (nibbles + a plane of high bits), IQ4_NL's one byte."""
+    for qtype, per_weight in ((QType.Q4_K, 0.5), (QType.Q5_0, 0.625), (QType.Q5_1, 0.625),
+                              (QType.Q5_K, 0.625), (QType.IQ4_NL, 1.0)):
         w = _int8(qtype, quantized(qtype, 64, 512), (64, 512))
         assert w.tiles.q.nbytes == 64 * 512 * per_weight

@@ -23,25 +23,31 @@ rows' bytes in 4-byte chunks, chunk after chunk:
     byte j of row r, block b:  tile[b * TILE_ROWS * BYTES + block_byte(r, j, BYTES)]
     block_byte(r, j, BYTES) = (r // 8) * 8 * BYTES + ((j // 4) * 8 + r % 8) * 4 + j % 4
 
-BYTES = 32 for int8 weights, 16 for 4-bit weights kept packed as in GGUF (low nibbles q[0..15],
-high q[16..31]). So one 32-byte vector is the same 4 weights of 8 rows, and a 4-byte group of
-activations broadcast across it lines up with each row's 4 weights (llama.cpp's repacked
-Q4_0x8 layout is built on the same idea).
+BYTES (`UNIT[bits]`) = 32 for int8 weights (bits = 8), 16 for 4-bit weights kept packed as in
+GGUF (bits = 4: low nibbles q[0..15], high q[16..31]), 20 for 5-bit weights (bits = 5: the
+nibbles of q & 15 as for 4 bits, then 4 bytes of high bits, `pack_five`). So one 32-byte vector
+is the same 4 weights of 8 rows, and a 4-byte group of activations broadcast across it lines up
+with each row's 4 weights (llama.cpp's repacked Q4_0x8 layout is built on the same idea). A
+5-bit group's fifth vector holds, in row r's byte i, the high bits of the weights its chunk c's
+byte i carries: bit 2c that of q[4c + i] (low nibble), bit 2c + 1 that of q[16 + 4c + i]; in
+the kernel a shift and a mask put it beside the nibble. 5 bits a weight instead of 8.
 
 The integer dot of one block for 8 weight rows is an LLVM intrinsic. On AVX2, per 4-weight
 chunk: vpmaddubsw (unsigned weights x signed activations -> pairs summed in int16) of the
 chunk vector and the broadcast activations, so every int16 lane already belongs to one row.
 Nibbles: the 8 chunks' int16 vectors are added in int16 (|sum| <= 8 * 2 * 15 * 127 = 30,480,
-no overflow), then one vpmaddwd against ones gives the 8 rows' int32 dots. int8 weights:
+no overflow), then one vpmaddwd against ones gives the 8 rows' int32 dots. 5-bit weights: the
+same in two halves of 4 chunks (|sum| <= 4 * 2 * 31 * 127 = 31,496), each widened. int8 weights:
 |w| x (x with w's sign) through vpsignb, each chunk's pairs (|pair| <= 2 * 128 * 127) widened
 by vpmaddwd and added in int32. No horizontal adds. Elsewhere portable IR (sext, mul, shuffles,
 add) that LLVM lowers for the target. The integer dots are exact, so the layout and the
 instruction choice cannot change a bit of the result.
 
-The tile kernel (`tile_kernel`) is here too, one for the three formats, which pick their
-weight bytes (int8 or packed nibbles) and block term (SCALE, OFFSET8, MIN); int8_fields.py
-builds the sub-block formats of 32 on it. int8_sub16.py (Q6_K, Q3_K: two scaled sub-blocks of
-16 per block) has a dot and kernel of its own, made of this module's IR pieces and SCALE term.
+The tile kernel (`tile_kernel`) is here too, one for the formats, which pick their weight
+bytes (int8, packed nibbles or 5 bits) and block term (SCALE, OFFSET8, OFFSET16, MIN);
+int8_fields.py builds the sub-block formats of 32 on it. int8_sub16.py (Q6_K, Q3_K: two
+scaled sub-blocks of 16 per block) has a dot and kernel of its own, made of this module's IR
+pieces and SCALE term.
 
 Not here: the repacks and NumPy twins (the format modules), shape checks (weight.py).
 """
@@ -60,6 +66,7 @@ from numba.extending import intrinsic
 from cfr_atlas.quant.tiles import TILE_ROWS
 
 QK = 32  # activation block: the block of every integer-path weight format
+UNIT = {8: QK, 4: QK // 2, 5: QK // 2 + QK // 8}  # weight bytes of one row's block, by bits
 GROUP = 8  # weight rows per integer-dot intrinsic call (one 8 x int32 result vector)
 CHUNK = 4  # bytes of one row in a chunk vector (vpmaddubsw + vpmaddwd sum 4 products)
 QMAX = np.float32(127.0)
@@ -208,6 +215,39 @@ def gather_nibble_rows(tiles: np.ndarray, ids: np.ndarray | slice) -> np.ndarray
     return unpack_nibbles(gather_block_rows(tiles, ids, QK // 2))
 
 
+_HALF, _FOUR = QK // 2, QK // 8
+_HIGH_SHIFTS = np.array([[2 * c, 2 * c + 1] for c in range(_FOUR)], dtype=np.uint8)  # [c, half]
+
+
+def pack_five(q: np.ndarray) -> np.ndarray:
+    """(rows, nb * 32) values 0..31 (any 1-byte dtype) -> (rows, nb * 20) uint8 per block: the
+    16 bytes of pack_nibbles(q & 15), then 4 bytes whose byte i holds q[4c + i] >> 4 at bit 2c
+    and q[16 + 4c + i] >> 4 at bit 2c + 1, c = 0..3 (the module docstring)."""
+    b = q.view(np.uint8).reshape(q.shape[0], -1, QK)
+    rows, nb = b.shape[:2]
+    nib = pack_nibbles((b & np.uint8(0x0F)).reshape(rows, -1)).reshape(rows, nb, _HALF)
+    # high bits as [row, block, half, c, i]
+    high = (b >> np.uint8(4)).reshape(rows, nb, 2, _FOUR, 4)
+    shifted = high << _HIGH_SHIFTS.T[None, None, :, :, None]
+    return np.concatenate([nib, np.bitwise_or.reduce(shifted, axis=(2, 3))],
+                          axis=-1).reshape(rows, -1)
+
+
+def unpack_five(packed: np.ndarray) -> np.ndarray:
+    """The inverse of pack_five: (rows, nb * 20) uint8 -> (rows, nb * 32) uint8 values 0..31."""
+    rows = packed.shape[0]
+    p = packed.reshape(rows, -1, UNIT[5])
+    nb = p.shape[1]
+    low = unpack_nibbles(p[..., :_HALF].reshape(rows, -1)).reshape(rows, nb, QK)
+    bits = (p[..., None, None, _HALF:] >> _HIGH_SHIFTS.T[None, None, :, :, None]) & np.uint8(1)
+    return (low | (bits.reshape(rows, nb, QK) << np.uint8(4))).reshape(rows, -1)
+
+
+def gather_five_rows(tiles: np.ndarray, ids: np.ndarray | slice) -> np.ndarray:
+    """Block tiles of 5-bit weights -> rows `ids` as (n, nb * 32) uint8 values 0..31."""
+    return unpack_five(gather_block_rows(tiles, ids, UNIT[5]))
+
+
 def block_dots_numpy(w: np.ndarray, xq: np.ndarray) -> np.ndarray:
     """w (N, nb * QK) integers, xq (T, nb * QK) int8 -> (T, N, nb) int64 exact block dots."""
     n, t = w.shape[0], xq.shape[0]
@@ -274,42 +314,66 @@ def _sum(builder, vectors):
     return functools.reduce(builder.add, vectors)
 
 
-def _dot_chunks(builder, chunks, xbs, unsigned, avx2):
-    """Chunk vectors (each with its broadcast activations) -> <8 x i32> dots of the 8 rows."""
+def _dot_chunks(builder, chunks, xbs, bits, avx2):
+    """Chunk vectors (each with its broadcast activations) -> <8 x i32> dots of the 8 rows;
+    bits 4 and 5: unsigned weights, lows then highs; 8: int8."""
     pairs = list(zip(chunks, xbs, strict=True))
     if not avx2:
-        return _sum(builder, [_chunk_generic(builder, w, xb, unsigned) for w, xb in pairs])
-    if unsigned:  # nibbles: 8 chunks of 0..15 weights, summed in int16 without overflow
+        return _sum(builder, [_chunk_generic(builder, w, xb, bits != 8) for w, xb in pairs])
+    if bits == 4:  # 8 chunks of 0..15 weights, summed in int16 without overflow
         return _widen_avx2(builder, _sum(builder, [_madd_avx2(builder, w, xb)
                                                    for w, xb in pairs]))
+    if bits == 5:  # 0..31: each half's 4 chunks in int16, then widened
+        half = len(pairs) // 2
+        return _sum(builder, [_widen_avx2(builder, _sum(builder, [
+            _madd_avx2(builder, w, xb) for w, xb in part]))
+            for part in (pairs[:half], pairs[half:])])
     # int8: |w| x (x with w's sign), the unsigned x signed instruction, exactly
     return _sum(builder, [_widen_avx2(builder, _madd_avx2(
         builder, _x86(builder, "llvm.x86.avx2.psign.b", V8, w, w),
         _x86(builder, "llvm.x86.avx2.psign.b", V8, xb, w))) for w, xb in pairs])
 
 
+def _shift_to_bit4(builder, v, bit):
+    """(v >> bit) << 4 & 0x10 per byte: bit `bit` of each byte of v moved to bit 4."""
+    if bit < 4:
+        v = builder.shl(v, _splat(V8, 4 - bit))
+    elif bit > 4:
+        v = builder.lshr(v, _splat(V8, bit - 4))
+    return builder.and_(v, _splat(V8, 0x10))
+
+
+def _weight_chunks(builder, raw, bits):
+    """The loaded vectors of a group's block -> (chunk vectors, each chunk's first weight)."""
+    if bits == 8:
+        return raw, [CHUNK * c for c in range(len(raw))]
+    nib = raw[:QK // 2 // CHUNK]  # chunk c: weights 4c .. 4c + 3 (low nibbles), 16 + 4c .. (high)
+    lows = [builder.and_(v, _splat(V8, 0x0F)) for v in nib]
+    highs = [builder.lshr(v, _splat(V8, 4)) for v in nib]
+    if bits == 5:  # the fifth vector's bits 2c, 2c + 1 are chunk c's high bits
+        hb = raw[-1]
+        lows = [builder.or_(v, _shift_to_bit4(builder, hb, 2 * c)) for c, v in enumerate(lows)]
+        highs = [builder.or_(v, _shift_to_bit4(builder, hb, 2 * c + 1))
+                 for c, v in enumerate(highs)]
+    starts = [CHUNK * c for c in range(len(nib))]
+    return lows + highs, starts + [QK // 2 + j for j in starts]
+
+
 def _dot8_codegen(tokens: int):
-    """Codegen of dot8 / dot8x2 for their literal (nibbles, avx2) arguments."""
+    """Codegen of dot8 / dot8x2 for their literal (bits, avx2) arguments."""
 
     def codegen(context, builder, sig, args):
-        nibbles, avx2 = sig.args[-2].literal_value, sig.args[-1].literal_value
-        unit = QK // 2 if nibbles else QK
+        bits, avx2 = sig.args[-2].literal_value, sig.args[-1].literal_value
         w_t, w, wo = sig.args[0], args[0], args[1]
         raw = [builder.load(_ptr(context, builder, w_t, w,
                                  builder.add(wo, ir.Constant(wo.type, c * QK)), V8), align=1)
-               for c in range(unit // CHUNK)]
-        if nibbles:  # chunk c: weights 4c .. 4c + 3 (low nibbles), 16 + 4c .. (high)
-            chunks = [builder.and_(v, _splat(V8, 0x0F)) for v in raw] \
-                + [builder.lshr(v, _splat(V8, 4)) for v in raw]
-            starts = [CHUNK * c for c in range(unit // CHUNK)] \
-                + [QK // 2 + CHUNK * c for c in range(unit // CHUNK)]
-        else:
-            chunks, starts = raw, [CHUNK * c for c in range(unit // CHUNK)]
+               for c in range(UNIT[bits] // CHUNK)]
+        chunks, starts = _weight_chunks(builder, raw, bits)
         # (activation array, offset, output array) per token; the outputs share offset oo
         for xa, xo, oa in ((2, 3, 4), (6, 7, 8))[:tokens]:
             xbs = [_broadcast(context, builder, sig.args[xa], args[xa], args[xo], j)
                    for j in starts]
-            res = _dot_chunks(builder, chunks, xbs, nibbles, avx2)
+            res = _dot_chunks(builder, chunks, xbs, bits, avx2)
             builder.store(res, _ptr(context, builder, sig.args[oa], args[oa], args[5], V32),
                           align=4)
         return context.get_dummy_value()
@@ -321,22 +385,27 @@ def _literal_flags(*flags) -> bool:
     return all(isinstance(f, types.BooleanLiteral) for f in flags)
 
 
+def _literal_bits(bits, avx2) -> bool:
+    return (isinstance(bits, types.IntegerLiteral) and bits.literal_value in UNIT
+            and _literal_flags(avx2))
+
+
 @intrinsic
-def dot8(typingctx, w, wo, x, xo, out, oo, nibbles, avx2):
+def dot8(typingctx, w, wo, x, xo, out, oo, bits, avx2):
     """out[oo + r] = sum_j W_r[j] x[xo + j] for the 8 rows r of the group at w[wo:] (block
-    tiles; nibbles: weights 0..15, else int8); nibbles and avx2 literal booleans (avx2=False:
-    the portable IR)."""
-    if not _literal_flags(nibbles, avx2):
+    tiles; bits 8: int8 weights, 4: packed nibbles 0..15, 5: 0..31); bits a literal int and
+    avx2 a literal boolean (avx2=False: the portable IR)."""
+    if not _literal_bits(bits, avx2):
         return None
-    return types.void(w, wo, x, xo, out, oo, nibbles, avx2), _dot8_codegen(1)
+    return types.void(w, wo, x, xo, out, oo, bits, avx2), _dot8_codegen(1)
 
 
 @intrinsic
-def dot8x2(typingctx, w, wo, x, xo, out, oo, u, uo, out_u, nibbles, avx2):
+def dot8x2(typingctx, w, wo, x, xo, out, oo, u, uo, out_u, bits, avx2):
     """dot8 for two tokens, x[xo:] -> out and u[uo:] -> out_u, the weights loaded once."""
-    if not _literal_flags(nibbles, avx2):
+    if not _literal_bits(bits, avx2):
         return None
-    return types.void(w, wo, x, xo, out, oo, u, uo, out_u, nibbles, avx2), _dot8_codegen(2)
+    return types.void(w, wo, x, xo, out, oo, u, uo, out_u, bits, avx2), _dot8_codegen(2)
 
 
 # --- the tile kernel, one for the three integer-path formats --------------------------------
@@ -346,6 +415,8 @@ def dot8x2(typingctx, w, wo, x, xo, out, oo, u, uo, out_u, nibbles, avx2):
 SCALE = 0  # Q8_0:  (d_k * dx) * isum_r
 OFFSET8 = 1  # Q4_0: (d_k * dx) * (isum_r - 8 xsum_b)   (weights stored 0..15, value q - 8)
 MIN = 2  # Q4_1:    (d_k * dx) * isum_r + m_k * (dx * xsum_b)   (llama.cpp's q8_1 s = d sum q)
+OFFSET16 = 3  # Q5_0: (d_k * dx) * (isum_r - 16 xsum_b)  (weights stored 0..31, value q - 16)
+_OFFSETS = {OFFSET8: 8, OFFSET16: 16}
 
 
 F32 = ir.FloatType()
@@ -361,9 +432,9 @@ def _term8_codegen(context, builder, sig, args):
     term = sig.args[9].literal_value
     dot = builder.load(_ptr(context, builder, isum_t, isum, io, V32), align=4)
     xs = context.cast(builder, xs, sig.args[6], types.int32)  # |xs| <= 32 * 127: exact
-    if term == OFFSET8:  # isum - 8 xs, exact in int32 (|isum| <= 32 * 15 * 127)
-        eight_xs = builder.mul(xs, ir.Constant(I32, 8))
-        dot = builder.sub(dot, _splat_value(builder, V32, eight_xs))
+    if term in _OFFSETS:  # isum - 8 xs or - 16 xs, exact in int32 (|isum| <= 32 * 31 * 127)
+        shift_xs = builder.mul(xs, ir.Constant(I32, _OFFSETS[term]))
+        dot = builder.sub(dot, _splat_value(builder, V32, shift_xs))
     scaled = builder.fmul(builder.load(_ptr(context, builder, d_t, d, k, VF), align=4),
                           _splat_value(builder, VF, dx))
     t = builder.fmul(scaled, builder.sitofp(dot, VF))
@@ -380,7 +451,7 @@ def _term8_codegen(context, builder, sig, args):
 def term8(typingctx, acc, ao, d, m, k, dx, xs, isum, io, term):
     """acc[ao + r] += block term for 8 rows r: d[k + r], m[k + r] (MIN only), the activation
     block's dx (float32) and xs (its integer sum), isum[io + r] the rows' int32 dots; term a
-    literal SCALE / OFFSET8 / MIN."""
+    literal SCALE / OFFSET8 / OFFSET16 / MIN."""
     f32_arrays = all(isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C"
                      for a in (acc, d, m))
     if (not isinstance(term, types.IntegerLiteral) or dx != types.float32 or not f32_arrays
@@ -394,25 +465,25 @@ def term8(typingctx, acc, ao, d, m, k, dx, xs, isum, io, term):
 def _add_terms(acc, d, m, b, dx, xs, isum, R, term):
     """acc[r] += block b's term for the tile's rows r (term a constant of the caller, R rows):
         SCALE   (d[k] * dx) * float32(isum[r])
-        OFFSET8 (d[k] * dx) * float32(isum[r] - 8 xs)
+        OFFSET8 (d[k] * dx) * float32(isum[r] - 8 xs)     (OFFSET16: - 16 xs)
         MIN     (d[k] * dx) * float32(isum[r]) + m[k] * (dx * float32(xs))
     with k = b * R + r, GROUP rows per term8 call."""
     for g in range(0, R, GROUP):
         term8(acc, g, d, m, b * R + g, dx, xs, isum, g, term)
 
 
-def tile_kernel(nibbles: bool, term: int, avx2: bool = AVX2):
+def tile_kernel(bits: int, term: int, avx2: bool = AVX2):
     """The parallel integer-path kernel(xq, xd, xsum, q, d, m, out) for block tiles of int8
-    weights (nibbles=False) or GGUF's packed nibbles, with one of the terms above (m is unused
-    unless term == MIN: pass d). Threads split the tiles; tokens go in pairs, one weight load
-    serving both, every operation of either token the one a lone token performs. avx2=False
-    builds the portable dots on any machine (the tests compare the two).
+    weights (bits=8), GGUF's packed nibbles (4) or 5-bit weights (5), with one of the terms
+    above (m is unused unless term == MIN: pass d). Threads split the tiles; tokens go in
+    pairs, one weight load serving both, every operation of either token the one a lone token
+    performs. avx2=False builds the portable dots on any machine (the tests compare the two).
     The kernel's closure holds plain values only (numba's disk cache keys a closure by its
     pickled cells, and an intrinsic or dispatcher object pickles differently in every process,
     so a closure over one was compiled anew by every process: ~3 s of each int8 start)."""
     R = TILE_ROWS
-    unit = QK // 2 if nibbles else QK  # bytes of one row's block
-    nibbles, avx2 = bool(nibbles), bool(avx2)
+    bits, avx2 = int(bits), bool(avx2)
+    unit = UNIT[bits]  # bytes of one row's block
 
     @njit(parallel=True, cache=True, nogil=True)
     def kernel(xq, xd, xsum, q, d, m, out):
@@ -430,7 +501,7 @@ def tile_kernel(nibbles: bool, term: int, avx2: bool = AVX2):
                     o, k0 = b * R * unit, b * QK
                     for g in range(0, R, GROUP):  # the tile's rows, GROUP at a time
                         dot8x2(q[i], o + g * unit, xq[t], k0, isum, g, xq[t + 1], k0, isum_u,
-                               nibbles, avx2)
+                               bits, avx2)
                     _add_terms(acc, d[i], m[i], b, xd[t, b], xsum[t, b], isum, R, term)
                     _add_terms(acc_u, d[i], m[i], b, xd[t + 1, b], xsum[t + 1, b], isum_u, R,
                                term)
@@ -442,7 +513,7 @@ def tile_kernel(nibbles: bool, term: int, avx2: bool = AVX2):
                 for b in range(K // QK):
                     o, k0 = b * R * unit, b * QK
                     for g in range(0, R, GROUP):
-                        dot8(q[i], o + g * unit, xq[t], k0, isum, g, nibbles, avx2)
+                        dot8(q[i], o + g * unit, xq[t], k0, isum, g, bits, avx2)
                     _add_terms(acc, d[i], m[i], b, xd[t, b], xsum[t, b], isum, R, term)
                 out[t, n0:n0 + lanes] = acc[:lanes]
 

@@ -16,9 +16,12 @@ That is llama.cpp's arithmetic for these formats against Q8_0/Q8_1/Q8_K activati
 (sub-blocks of 16, half an activation block, which these kernels do not split) are
 int8_sub16.py's; Q2_K keeps its float codec under int8.
 
-Weights take one byte each, except Q4_K's (q in 0..15), which are packed two to a byte as GGUF
-packs Q4_0 (low nibbles q[0..15] of a sub-block, high q[16..31]) and go through Q4_1's nibble
-kernel: half the bytes a token streams. Scales and offsets take 4 bytes per 32 weights.
+Weights are kept at the width of their values: Q4_K's (q in 0..15) packed two to a byte as
+GGUF packs Q4_0 (low nibbles q[0..15] of a sub-block, high q[16..31]) through Q4_1's nibble
+kernel; the 5-bit formats' (Q5_0 stored as q + 16, Q5_1 and Q5_K as q, all 0..31) as those
+nibbles plus a plane of high bits (int8.pack_five), Q5_0 with the OFFSET16 term (the - 16 once per
+block, in int32: the same isum); IQ4_NL's one byte each. Scales and offsets take 4 bytes per 32
+weights. A token streams 6 bits a weight for Q5_0 (GGUF: 5.5), 7 for Q5_1 and Q5_K, 6 for Q4_K.
 Dequantization and row reads give the float path's bits (the same a, c, q).
 """
 
@@ -39,20 +42,28 @@ QK = int8.QK
 
 
 class IntTiles(NamedTuple):
-    q: np.ndarray  # (n_tiles, nb * TILE_ROWS * QK) int8 block tiles (int8.py layout), or
-    #                (n_tiles, nb * TILE_ROWS * QK // 2) uint8 packed nibbles (Q4_K)
+    q: np.ndarray  # (n_tiles, nb * TILE_ROWS * int8.UNIT[bits]) uint8 block tiles (int8.py)
     d: np.ndarray  # (n_tiles, nb * TILE_ROWS) float32 sub-block scales a_s (tiles.py layout)
     m: np.ndarray  # the same for the offset as added (c_s or -c_s); (n_tiles, 0) without one
 
 
-# keyed by (has an offset, packed nibbles)
-_KERNELS = {(False, False): int8.tile_kernel(nibbles=False, term=int8.SCALE),
-            (True, False): int8.tile_kernel(nibbles=False, term=int8.MIN),
-            (True, True): int8.tile_kernel(nibbles=True, term=int8.MIN)}
-HALF = QK // 2
+class Width(NamedTuple):
+    """How a format's quants are kept: bits (8, 4 or 5, int8.UNIT) and the bias added to q
+    for storage (Q5_0's q - 16 is stored as q + 16 - 16 = 0..31, the OFFSET16 term removes it)."""
+    bits: int
+    bias: int = 0
 
 
-def _repack(fields: Callable[[np.ndarray], Fields], offset: Offset, nibbles: bool,
+# keyed by (has an offset, Width)
+_TERMS = {(False, Width(8)): int8.SCALE, (True, Width(8)): int8.MIN,
+          (True, Width(4)): int8.MIN, (False, Width(5, 16)): int8.OFFSET16,
+          (True, Width(5)): int8.MIN}
+_KERNELS = {key: int8.tile_kernel(key[1].bits, term) for key, term in _TERMS.items()}
+_UNPACK = {8: lambda b: b, 4: int8.unpack_nibbles, 5: int8.unpack_five}
+_PACK = {8: lambda q: q.view(np.uint8), 4: int8.pack_nibbles, 5: int8.pack_five}
+
+
+def _repack(fields: Callable[[np.ndarray], Fields], offset: Offset, width: Width,
             raw: np.ndarray) -> IntTiles:
     a, c, q = fields(raw)
     d = to_tiles(a)
@@ -60,36 +71,37 @@ def _repack(fields: Callable[[np.ndarray], Fields], offset: Offset, nibbles: boo
         m = np.zeros((d.shape[0], 0), dtype=np.float32)
     else:
         m = to_tiles(-c if offset is Offset.SUBTRACT else c)
-    if nibbles:
-        return IntTiles(int8.to_block_tiles(int8.pack_nibbles(q), HALF), d, m)
-    return IntTiles(int8.to_block_tiles(q, QK), d, m)
+    stored = q.astype(np.int16) + width.bias
+    if width.bits < 8 and (stored.min(initial=0) < 0 or stored.max(initial=0) >= 1 << width.bits):
+        raise AssertionError(f"quants outside {width}")  # a format table error, not input
+    packed = _PACK[width.bits](stored.astype(np.uint8))
+    return IntTiles(int8.to_block_tiles(packed, int8.UNIT[width.bits]), d, m)
 
 
-def _weights(nibbles: bool, tiles: IntTiles, ids: np.ndarray | slice) -> np.ndarray:
+def _weights(width: Width, tiles: IntTiles, ids: np.ndarray | slice) -> np.ndarray:
     """Rows `ids` of the quants q as int8 (rows, nb * QK)."""
-    if nibbles:
-        return int8.gather_nibble_rows(tiles.q, ids).view(np.int8)
-    return int8.gather_block_rows(tiles.q, ids, QK).view(np.int8)
+    stored = _UNPACK[width.bits](int8.gather_block_rows(tiles.q, ids, int8.UNIT[width.bits]))
+    return (stored.view(np.int8) - np.int8(width.bias)) if width.bias else stored.view(np.int8)
 
 
-def _unpack_rows(offset: Offset, nibbles: bool, tiles: IntTiles, ids: np.ndarray | slice,
+def _unpack_rows(offset: Offset, width: Width, tiles: IntTiles, ids: np.ndarray | slice,
                  out: np.ndarray | None = None) -> np.ndarray:
-    q = _weights(nibbles, tiles, ids)
+    q = _weights(width, tiles, ids)
     a, c = gather_rows(tiles.d, ids), row_offsets(offset, tiles.m, ids)
     return values(a, c, q, np.empty(q.shape, dtype=np.float32) if out is None else out, offset)
 
 
-def _matmul(has_m: bool, nibbles: bool, x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
+def _matmul(has_m: bool, width: Width, x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
     xq, xd, xsum = int8.quantize(x)
-    _KERNELS[has_m, nibbles](xq, xd, xsum, tiles.q, tiles.d, tiles.m if has_m else tiles.d, out)
+    _KERNELS[has_m, width](xq, xd, xsum, tiles.q, tiles.d, tiles.m if has_m else tiles.d, out)
 
 
-def _matmul_numpy(has_m: bool, nibbles: bool, x: np.ndarray, tiles: IntTiles,
+def _matmul_numpy(has_m: bool, width: Width, x: np.ndarray, tiles: IntTiles,
                   out: np.ndarray) -> None:
-    """The twin: the same quantization, exact block dots, the same float32 operations in the
-    same block order as the kernel's SCALE / MIN term."""
+    """The twin: the same quantization, exact block dots of the quants q (the bias removed),
+    the same float32 operations in the same block order as the kernel's SCALE / MIN term."""
     xq, xd, xsum = int8.quantize_numpy(x)
-    w = _weights(nibbles, tiles, slice(None))
+    w = _weights(width, tiles, slice(None))
     dots = int8.block_dots_numpy(w, xq).astype(np.float32)  # exact: |isum| < 2**24
     d = gather_rows(tiles.d, slice(None))
     m = gather_rows(tiles.m, slice(None)) if has_m else None
@@ -105,10 +117,12 @@ def _matmul_numpy(has_m: bool, nibbles: bool, x: np.ndarray, tiles: IntTiles,
 
 
 def codec(qtype: QType, fields: Callable[[np.ndarray], Fields], offset: Offset,
-          dequantize: Callable[[np.ndarray], np.ndarray], nibbles: bool = False) -> Codec:
+          dequantize: Callable[[np.ndarray], np.ndarray], width: Width) -> Codec:
     """The int8-path Codec of a format with sub-blocks of 32 (its float codec's dequantize);
-    nibbles: its quants are 0..15, kept packed two to a byte."""
+    width: how its quants are kept (a key of _KERNELS with the offset)."""
     has_m = offset is not Offset.NONE
-    return Codec(qtype, np.dtype(np.uint8), dequantize, partial(_repack, fields, offset, nibbles),
-                 partial(_unpack_rows, offset, nibbles), partial(_matmul, has_m, nibbles),
-                 partial(_matmul_numpy, has_m, nibbles))
+    if (has_m, width) not in _KERNELS:
+        raise AssertionError(f"no kernel for {qtype.name} kept as {width}")
+    return Codec(qtype, np.dtype(np.uint8), dequantize, partial(_repack, fields, offset, width),
+                 partial(_unpack_rows, offset, width), partial(_matmul, has_m, width),
+                 partial(_matmul_numpy, has_m, width))

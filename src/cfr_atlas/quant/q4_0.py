@@ -80,7 +80,7 @@ def int_unpack_rows(tiles: IntTiles, ids: np.ndarray | slice,
     return q8_0.values(d, q, np.empty(q.shape, dtype=np.float32) if out is None else out)
 
 
-_int_kernel = int8.tile_kernel(nibbles=True, term=int8.OFFSET8)
+_int_kernel = int8.tile_kernel(bits=4, term=int8.OFFSET8)
 
 
 def int_matmul(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:

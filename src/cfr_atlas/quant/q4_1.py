@@ -102,7 +102,7 @@ def int_unpack_rows(tiles: IntTiles, ids: np.ndarray | slice,
     return _values(d, m, q, np.empty(q.shape, dtype=np.float32) if out is None else out)
 
 
-_int_kernel = int8.tile_kernel(nibbles=True, term=int8.MIN)
+_int_kernel = int8.tile_kernel(bits=4, term=int8.MIN)
 
 
 def int_matmul(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:

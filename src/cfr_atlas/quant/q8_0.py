@@ -86,7 +86,7 @@ def int_unpack_rows(tiles: IntTiles, ids: np.ndarray | slice,
     return values(d, q, np.empty(q.shape, dtype=np.float32) if out is None else out)
 
 
-_int_kernel = int8.tile_kernel(nibbles=False, term=int8.SCALE)
+_int_kernel = int8.tile_kernel(bits=8, term=int8.SCALE)
 
 
 def int_matmul(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
