@@ -224,10 +224,15 @@ def _cpu_flags() -> set[str]:
     return set(line.group(1).split()) if line else set()
 
 
+def simd_ops() -> tuple[str, ...]:
+    """The instructions a block dot is built of on this machine's best dot (int8.ISA)."""
+    return ("vpdpbusd",) if int8.ISA == int8.VNNI_DOT else ("vpmaddubsw", "vpmaddwd")
+
+
 @pytest.mark.parametrize("qtype", list(INT8_FORMATS))
 def test_integer_simd_in_assembly(qtype):
-    """On AVX2 the block dots are vpmaddubsw + vpmaddwd (AVX-512 VNNI machines run the same
-    AVX2 code: no vpdpbusd is emitted); elsewhere nothing to look for."""
+    """On AVX2 the block dots are vpmaddubsw + vpmaddwd, on a machine with AVX-512 VNNI or
+    AVX-VNNI one vpdpbusd a chunk; elsewhere nothing to look for."""
     if "avx2" not in _cpu_flags() or not int8.AVX2:
         pytest.skip("no AVX2 in /proc/cpuinfo or on numba's target: portable IR is emitted")
     w = _int8(qtype, quantized(qtype, 16, 64), (16, 64))
@@ -238,18 +243,28 @@ def test_integer_simd_in_assembly(qtype):
     sig = kernel.signatures[0]
     fresh.compile(sig)
     asm = fresh.inspect_asm(sig)
-    for op in ("vpmaddubsw", "vpmaddwd"):
+    for op in simd_ops():
         assert re.search(rf"\b{op}\b", asm), op
     assert not re.search(r"\bvphaddd\b", asm)  # rows line up in lanes: no horizontal adds
 
 
+def test_vnni_is_used_where_the_cpu_has_it():
+    """A CPU reporting avx512_vnni (with avx512vl) or avx_vnni gets the vpdpbusd dots."""
+    flags = _cpu_flags()
+    has = ("avx512_vnni" in flags and "avx512vl" in flags) or "avx_vnni" in flags
+    if "avx2" not in flags or numba.config.CPU_NAME:
+        pytest.skip("no AVX2, or numba's target is set by NUMBA_CPU_NAME")
+    assert int8.VNNI == has and (int8.ISA == int8.VNNI_DOT) == has
+
+
 @pytest.mark.parametrize("bits, term", [(8, int8.SCALE), (4, int8.MIN), (5, int8.OFFSET16),
                                         (5, int8.MIN)])
-def test_portable_dots_equal_the_avx2_dots(bits, term):
-    """The portable IR (machines without AVX2) and the AVX2 intrinsics give the same bits on
-    any weight bytes, including int8 -128, every nibble 15 and every 5-bit weight 31."""
-    if not int8.AVX2:
-        pytest.skip("no AVX2 on numba's target: both kernels are the portable one")
+def test_portable_dots_equal_the_simd_dots(bits, term):
+    """The portable IR (machines without AVX2), the AVX2 intrinsics and vpdpbusd (where the
+    machine has VNNI) give the same bits on any weight bytes, including int8 -128, every
+    nibble 15 and every 5-bit weight 31."""
+    if len(int8.ISAS) == 1:
+        pytest.skip("no AVX2 on numba's target: only the portable dots run here")
     rng = np.random.default_rng(11)
     n, k, unit = 70, 256, int8.UNIT[bits]
     q = rng.integers(0, 256, size=(n, k // 32 * unit)).astype(np.uint8)
@@ -257,19 +272,20 @@ def test_portable_dots_equal_the_avx2_dots(bits, term):
     tiles = int8.to_block_tiles(q, unit)
     d = to_tiles(rng.random((n, k // 32)).astype(np.float32))
     m = to_tiles(rng.standard_normal((n, k // 32)).astype(np.float32))
-    kernels = [int8.tile_kernel(bits, term, avx2=avx2) for avx2 in (True, False)]
+    kernels = [int8.tile_kernel(bits, term, isa=isa) for isa in int8.ISAS]
     for t in (1, 2, 3):
         xq, xd, xsum = int8.quantize(_x(t, k, seed=t))
         got = [np.empty((t, n), dtype=np.float32) for _ in kernels]
         for kernel, out in zip(kernels, got, strict=True):
             kernel(xq, xd, xsum, tiles, d, m, out)
-        assert_bits_equal(got[0], got[1])
+        for other in got[1:]:
+            assert_bits_equal(got[0], other)
 
 
 def test_five_bit_dots_are_exact_at_the_int16_bound():
     """5-bit weights at scale 1 against integer activations: each output is the exact integer
     dot of the stored values, also where every weight is 31 and every activation +-127 (each
-    half's int16 sum at its largest, 4 * 2 * 31 * 127 = 31,496), on both dots."""
+    half's int16 sum at its largest on AVX2, 4 * 2 * 31 * 127 = 31,496), on every dot."""
     rng = np.random.default_rng(3)
     n, k = 37, 128
     q = rng.integers(0, 32, size=(n, k)).astype(np.uint8)
@@ -282,9 +298,9 @@ def test_five_bit_dots_are_exact_at_the_int16_bound():
     expect = (x @ q.astype(np.int64).T).astype(np.float32)
     xq, xd, xsum = int8.quantize(x.astype(np.float32))
     np.testing.assert_array_equal(xq, x)
-    for avx2 in (False, True) if int8.AVX2 else (False,):
+    for isa in int8.ISAS:
         out = np.empty((5, n), dtype=np.float32)
-        int8.tile_kernel(5, int8.SCALE, avx2=avx2)(xq, xd, xsum, tiles, ones, ones, out)
+        int8.tile_kernel(5, int8.SCALE, isa=isa)(xq, xd, xsum, tiles, ones, ones, out)
         np.testing.assert_array_equal(out, expect)
 
 

@@ -9,7 +9,7 @@ import numba
 import numpy as np
 import pytest
 from quant_data import assert_bits_equal, quantized
-from test_quant_int8 import _cpu_flags, _twin, _x
+from test_quant_int8 import _cpu_flags, _twin, _x, simd_ops
 
 from cfr_atlas.quant import QType, QuantWeight, int8, int8_fields
 from cfr_atlas.quant.subblock import Offset
@@ -43,8 +43,8 @@ def test_kernel_equals_twin(qtype, shape, t):
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_integer_simd_in_assembly(qtype):
     """Every kernel (SCALE and MIN on int8 bytes, MIN on Q4_K's nibbles, OFFSET16 and MIN on
-    5-bit weights) dots with vpmaddubsw + vpmaddwd on AVX2, and none reduces across lanes (no
-    vphaddd)."""
+    5-bit weights) dots with vpmaddubsw + vpmaddwd on AVX2 (vpdpbusd with VNNI), and none
+    reduces across lanes (no vphaddd)."""
     if "avx2" not in _cpu_flags() or not int8.AVX2:
         pytest.skip("no AVX2 in /proc/cpuinfo or on numba's target: portable IR is emitted")
     _int8(qtype, quantized(qtype, 16, 256), (16, 256)).matmul(np.ones((1, 256), np.float32))
@@ -54,7 +54,7 @@ def test_integer_simd_in_assembly(qtype):
     sig = kernel.signatures[0]
     fresh.compile(sig)
     asm = fresh.inspect_asm(sig)
-    for op in ("vpmaddubsw", "vpmaddwd"):
+    for op in simd_ops():
         assert op in asm, op
     assert "vphaddd" not in asm
 

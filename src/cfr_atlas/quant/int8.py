@@ -32,7 +32,10 @@ with each row's 4 weights (llama.cpp's repacked Q4_0x8 layout is built on the sa
 byte i carries: bit 2c that of q[4c + i] (low nibble), bit 2c + 1 that of q[16 + 4c + i]; in
 the kernel a shift and a mask put it beside the nibble. 5 bits a weight instead of 8.
 
-The integer dot of one block for 8 weight rows is an LLVM intrinsic. On AVX2, per 4-weight
+The integer dot of one block for 8 weight rows is an LLVM intrinsic. With AVX-512 VNNI (and
+VL) or AVX-VNNI, per 4-weight chunk one vpdpbusd: each int32 lane (one row) adds its 4 unsigned
+weight bytes times the 4 broadcast activations (int8 weights: |w| and x with w's sign, as
+below), in two accumulators. On AVX2, per 4-weight
 chunk: vpmaddubsw (unsigned weights x signed activations -> pairs summed in int16) of the
 chunk vector and the broadcast activations, so every int16 lane already belongs to one row.
 Nibbles: the 8 chunks' int16 vectors are added in int16 (|sum| <= 8 * 2 * 15 * 127 = 30,480,
@@ -73,62 +76,101 @@ QMAX = np.float32(127.0)
 TINY = np.float32(QMAX / np.finfo(np.float32).max)  # below it, 127 / amax overflows
 
 
-def _has_avx2() -> bool:
-    """AVX2 on the compile target (numba's NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, else the host)."""
+def _target_has(*features: str) -> bool:
+    """All features on the compile target (numba's NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, else
+    the host), by LLVM's names."""
     if config.CPU_NAME:
-        return "+avx2" in (config.CPU_FEATURES or "")
+        return all(f"+{f}" in (config.CPU_FEATURES or "").split(",") for f in features)
     try:
-        return bool(llvm.get_host_cpu_features().get("avx2", False))
+        host = llvm.get_host_cpu_features()
     except RuntimeError:
         return False
+    return all(host.get(f, False) for f in features)
 
 
-AVX2 = _has_avx2()
+AVX2 = _target_has("avx2")
+# vpdpbusd on 256-bit vectors: AVX-512 VNNI with VL (EVEX), or AVX-VNNI (VEX)
+VNNI = AVX2 and (_target_has("avx512vnni", "avx512vl") or _target_has("avxvnni"))
+# the instruction set a dot is built for: a literal of the kernels (the tests build all three)
+PORTABLE, AVX2_DOT, VNNI_DOT = 0, 1, 2
+ISA = VNNI_DOT if VNNI else AVX2_DOT if AVX2 else PORTABLE
+ISAS = tuple(i for i, ok in ((PORTABLE, True), (AVX2_DOT, AVX2), (VNNI_DOT, VNNI)) if ok)
 
 # --- activation quantization ---------------------------------------------------------------
 
 
-@njit(cache=True, nogil=True)
-def _quantize_block(x, k0, xq, xd, xsum, t, b):
-    """One block of row x (from column k0) -> xq[t, k0:k0 + QK], xd[t, b], xsum[t, b]."""
-    amax = np.float32(0.0)
-    finite = True
-    for j in range(QK):
-        a = abs(x[k0 + j])
-        finite = finite and a <= np.float32(3.4028235e38)
-        amax = max(amax, a)
-    if not finite:
-        xd[t, b] = np.float32(np.nan)
-        xq[t, k0:k0 + QK] = 0
-        xsum[t, b] = 0
-        return
-    inv = QMAX / amax if amax >= TINY else np.float32(0.0)
-    s = 0
-    for j in range(QK):
-        q = np.int8(np.rint(x[k0 + j] * inv))
-        xq[t, k0 + j] = q
-        s += q
-    xd[t, b] = amax / QMAX
-    xsum[t, b] = s
+@intrinsic
+def _f32_from_bits(typingctx, bits):
+    """The float32 whose bit pattern is the low 32 bits of the integer `bits`."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        low = builder.trunc(args[0], I32) if bits.bitwidth > 32 else args[0]
+        return builder.bitcast(low, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+_ABS_BITS = np.int32(0x7FFFFFFF)  # |x| on the bits
+_MAX_BITS = np.int32(0x7F7FFFFF)  # the largest finite float32; above it inf and NaN
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _quantize_row(x, xi, xq, xd, xsum, t):
+    """Row t: x (K,) float32, xi its int32 view -> xq[t], xd[t], xsum[t]. amax is taken on the
+    bits (|x| orders as its bit pattern; an integer max vectorizes without fast-math, a float
+    one does not), which also tells inf and NaN (bits above _MAX_BITS) apart."""
+    for b in range(x.size // QK):
+        k0 = b * QK
+        m = np.int32(0)
+        for j in range(QK):
+            m = max(m, xi[k0 + j] & _ABS_BITS)
+        if m > _MAX_BITS:
+            xd[t, b] = np.float32(np.nan)
+            xq[t, k0:k0 + QK] = 0
+            xsum[t, b] = 0
+            continue
+        amax = _f32_from_bits(m)
+        inv = QMAX / amax if amax >= TINY else np.float32(0.0)
+        s = np.int32(0)
+        for j in range(QK):
+            q = np.int8(np.rint(x[k0 + j] * inv))
+            xq[t, k0 + j] = q
+            s += np.int32(q)
+        xd[t, b] = amax / QMAX
+        xsum[t, b] = s
 
 
 @njit(cache=True, nogil=True)
-def quantize_rows(x, xq, xd, xsum):
-    """x (T, K) float32 -> xq (T, K) int8, xd (T, K // QK) float32, xsum (T, K // QK) int32."""
-    T, K = x.shape
-    for t in range(T):
-        for b in range(K // QK):
-            _quantize_block(x[t], b * QK, xq, xd, xsum, t, b)
+def quantize_rows(x, xi, xq, xd, xsum):
+    """x (T, K) float32 and its int32 view xi -> xq (T, K) int8, xd (T, K // QK) float32,
+    xsum (T, K // QK) int32."""
+    for t in range(x.shape[0]):
+        _quantize_row(x[t], xi[t], xq, xd, xsum, t)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _quantize_rows_parallel(x, xi, xq, xd, xsum):
+    """quantize_rows with the rows split between threads (a row's bits are its own)."""
+    for t in prange(x.shape[0]):
+        _quantize_row(x[t], xi[t], xq, xd, xsum, t)
+
+
+PARALLEL_ROWS = 8  # from this many rows the threads share the quantization
 
 
 def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x (T, K) float32, K a multiple of QK -> (xq int8 (T, K), d (T, nb) float32,
-    xsum (T, nb) int32) with the numba kernel."""
+    xsum (T, nb) int32) with the numba kernel (threads from PARALLEL_ROWS rows: the same
+    bits)."""
+    x = np.ascontiguousarray(x)
     T, K = x.shape
     xq = np.empty((T, K), dtype=np.int8)
     xd = np.empty((T, K // QK), dtype=np.float32)
     xsum = np.empty((T, K // QK), dtype=np.int32)
-    quantize_rows(x, xq, xd, xsum)
+    kernel = _quantize_rows_parallel if T >= PARALLEL_ROWS else quantize_rows
+    kernel(x, x.view(np.int32), xq, xd, xsum)
     return xq, xd, xsum
 
 
@@ -314,12 +356,33 @@ def _sum(builder, vectors):
     return functools.reduce(builder.add, vectors)
 
 
-def _dot_chunks(builder, chunks, xbs, bits, avx2):
+def _psign(builder, a, b):
+    """vpsignb: a with b's sign per byte (0 where b is 0)."""
+    return _x86(builder, "llvm.x86.avx2.psign.b", V8, a, b)
+
+
+def _dot_vnni(builder, pairs, bits):
+    """vpdpbusd: each int32 lane (one row) += its 4 unsigned weight bytes x the 4 signed
+    activations, one instruction a chunk; int8 weights through |w| and x with w's sign as on
+    AVX2. Two accumulators, added at the end (exact in int32: the order is free)."""
+    if bits == 8:
+        pairs = [(_psign(builder, w, w), _psign(builder, xb, w)) for w, xb in pairs]
+    accs = [_splat(V32, 0), _splat(V32, 0)]
+    for k, (u, s) in enumerate(pairs):
+        accs[k % 2] = _x86(builder, "llvm.x86.avx512.vpdpbusd.256", V32, accs[k % 2],
+                           builder.bitcast(u, V32), builder.bitcast(s, V32))
+    return builder.add(*accs)
+
+
+def _dot_chunks(builder, chunks, xbs, bits, isa):
     """Chunk vectors (each with its broadcast activations) -> <8 x i32> dots of the 8 rows;
-    bits 4 and 5: unsigned weights, lows then highs; 8: int8."""
+    bits 4 and 5: unsigned weights, lows then highs; 8: int8. isa: PORTABLE, AVX2_DOT or
+    VNNI_DOT."""
     pairs = list(zip(chunks, xbs, strict=True))
-    if not avx2:
+    if isa == PORTABLE:
         return _sum(builder, [_chunk_generic(builder, w, xb, bits != 8) for w, xb in pairs])
+    if isa == VNNI_DOT:
+        return _dot_vnni(builder, pairs, bits)
     if bits == 4:  # 8 chunks of 0..15 weights, summed in int16 without overflow
         return _widen_avx2(builder, _sum(builder, [_madd_avx2(builder, w, xb)
                                                    for w, xb in pairs]))
@@ -329,9 +392,9 @@ def _dot_chunks(builder, chunks, xbs, bits, avx2):
             _madd_avx2(builder, w, xb) for w, xb in part]))
             for part in (pairs[:half], pairs[half:])])
     # int8: |w| x (x with w's sign), the unsigned x signed instruction, exactly
-    return _sum(builder, [_widen_avx2(builder, _madd_avx2(
-        builder, _x86(builder, "llvm.x86.avx2.psign.b", V8, w, w),
-        _x86(builder, "llvm.x86.avx2.psign.b", V8, xb, w))) for w, xb in pairs])
+    return _sum(builder, [_widen_avx2(builder, _madd_avx2(builder, _psign(builder, w, w),
+                                                          _psign(builder, xb, w)))
+                          for w, xb in pairs])
 
 
 def _shift_to_bit4(builder, v, bit):
@@ -360,10 +423,10 @@ def _weight_chunks(builder, raw, bits):
 
 
 def _dot8_codegen(tokens: int):
-    """Codegen of dot8 / dot8x2 for their literal (bits, avx2) arguments."""
+    """Codegen of dot8 / dot8x2 for their literal (bits, isa) arguments."""
 
     def codegen(context, builder, sig, args):
-        bits, avx2 = sig.args[-2].literal_value, sig.args[-1].literal_value
+        bits, isa = sig.args[-2].literal_value, sig.args[-1].literal_value
         w_t, w, wo = sig.args[0], args[0], args[1]
         raw = [builder.load(_ptr(context, builder, w_t, w,
                                  builder.add(wo, ir.Constant(wo.type, c * QK)), V8), align=1)
@@ -373,7 +436,7 @@ def _dot8_codegen(tokens: int):
         for xa, xo, oa in ((2, 3, 4), (6, 7, 8))[:tokens]:
             xbs = [_broadcast(context, builder, sig.args[xa], args[xa], args[xo], j)
                    for j in starts]
-            res = _dot_chunks(builder, chunks, xbs, bits, avx2)
+            res = _dot_chunks(builder, chunks, xbs, bits, isa)
             builder.store(res, _ptr(context, builder, sig.args[oa], args[oa], args[5], V32),
                           align=4)
         return context.get_dummy_value()
@@ -385,27 +448,27 @@ def _literal_flags(*flags) -> bool:
     return all(isinstance(f, types.BooleanLiteral) for f in flags)
 
 
-def _literal_bits(bits, avx2) -> bool:
+def _literal_bits(bits, isa) -> bool:
     return (isinstance(bits, types.IntegerLiteral) and bits.literal_value in UNIT
-            and _literal_flags(avx2))
+            and isinstance(isa, types.IntegerLiteral) and isa.literal_value in ISAS)
 
 
 @intrinsic
-def dot8(typingctx, w, wo, x, xo, out, oo, bits, avx2):
+def dot8(typingctx, w, wo, x, xo, out, oo, bits, isa):
     """out[oo + r] = sum_j W_r[j] x[xo + j] for the 8 rows r of the group at w[wo:] (block
-    tiles; bits 8: int8 weights, 4: packed nibbles 0..15, 5: 0..31); bits a literal int and
-    avx2 a literal boolean (avx2=False: the portable IR)."""
-    if not _literal_bits(bits, avx2):
+    tiles; bits 8: int8 weights, 4: packed nibbles 0..15, 5: 0..31); bits and isa (one of
+    ISAS: PORTABLE, AVX2_DOT, VNNI_DOT) literal ints."""
+    if not _literal_bits(bits, isa):
         return None
-    return types.void(w, wo, x, xo, out, oo, bits, avx2), _dot8_codegen(1)
+    return types.void(w, wo, x, xo, out, oo, bits, isa), _dot8_codegen(1)
 
 
 @intrinsic
-def dot8x2(typingctx, w, wo, x, xo, out, oo, u, uo, out_u, bits, avx2):
+def dot8x2(typingctx, w, wo, x, xo, out, oo, u, uo, out_u, bits, isa):
     """dot8 for two tokens, x[xo:] -> out and u[uo:] -> out_u, the weights loaded once."""
-    if not _literal_bits(bits, avx2):
+    if not _literal_bits(bits, isa):
         return None
-    return types.void(w, wo, x, xo, out, oo, u, uo, out_u, bits, avx2), _dot8_codegen(2)
+    return types.void(w, wo, x, xo, out, oo, u, uo, out_u, bits, isa), _dot8_codegen(2)
 
 
 # --- the tile kernel, one for the three integer-path formats --------------------------------
@@ -472,17 +535,18 @@ def _add_terms(acc, d, m, b, dx, xs, isum, R, term):
         term8(acc, g, d, m, b * R + g, dx, xs, isum, g, term)
 
 
-def tile_kernel(bits: int, term: int, avx2: bool = AVX2):
+def tile_kernel(bits: int, term: int, isa: int = ISA):
     """The parallel integer-path kernel(xq, xd, xsum, q, d, m, out) for block tiles of int8
     weights (bits=8), GGUF's packed nibbles (4) or 5-bit weights (5), with one of the terms
     above (m is unused unless term == MIN: pass d). Threads split the tiles; tokens go in
     pairs, one weight load serving both, every operation of either token the one a lone token
-    performs. avx2=False builds the portable dots on any machine (the tests compare the two).
+    performs. isa picks the dots' instructions (ISA: the best the target has; PORTABLE builds
+    on any machine; the tests compare every one the machine runs).
     The kernel's closure holds plain values only (numba's disk cache keys a closure by its
     pickled cells, and an intrinsic or dispatcher object pickles differently in every process,
     so a closure over one was compiled anew by every process: ~3 s of each int8 start)."""
     R = TILE_ROWS
-    bits, avx2 = int(bits), bool(avx2)
+    bits, isa = int(bits), int(isa)
     unit = UNIT[bits]  # bytes of one row's block
 
     @njit(parallel=True, cache=True, nogil=True)
@@ -501,7 +565,7 @@ def tile_kernel(bits: int, term: int, avx2: bool = AVX2):
                     o, k0 = b * R * unit, b * QK
                     for g in range(0, R, GROUP):  # the tile's rows, GROUP at a time
                         dot8x2(q[i], o + g * unit, xq[t], k0, isum, g, xq[t + 1], k0, isum_u,
-                               bits, avx2)
+                               bits, isa)
                     _add_terms(acc, d[i], m[i], b, xd[t, b], xsum[t, b], isum, R, term)
                     _add_terms(acc_u, d[i], m[i], b, xd[t + 1, b], xsum[t + 1, b], isum_u, R,
                                term)
@@ -513,7 +577,7 @@ def tile_kernel(bits: int, term: int, avx2: bool = AVX2):
                 for b in range(K // QK):
                     o, k0 = b * R * unit, b * QK
                     for g in range(0, R, GROUP):
-                        dot8(q[i], o + g * unit, xq[t], k0, isum, g, bits, avx2)
+                        dot8(q[i], o + g * unit, xq[t], k0, isum, g, bits, isa)
                     _add_terms(acc, d[i], m[i], b, xd[t, b], xsum[t, b], isum, R, term)
                 out[t, n0:n0 + lanes] = acc[:lanes]
 
