@@ -108,19 +108,19 @@ def test_block_dots_are_exact_at_the_int16_bound():
     assert_bits_equal(weight.matmul(xf), expect)
     assert_bits_equal(_twin(weight, xf), expect)
     tiles = weight.tiles
-    portable = int8_sub16.tile_kernel(avx2=False)
+    portable = int8_sub16.tile_kernel(isa=int8.PORTABLE)
     xq, xd, _ = int8.quantize(xf)
     out = np.empty_like(expect)
     portable(xq, xd, tiles.q, tiles.s, tiles.d, out)
     assert_bits_equal(out, expect)
 
 
-def test_portable_dots_equal_the_avx2_dots():
-    """The portable IR and the AVX2 intrinsics give the same bits on Q6_K and Q3_K bytes with
-    edge scales, for one, two and three tokens."""
-    if not int8.AVX2:
-        pytest.skip("no AVX2 on numba's target: both kernels are the portable one")
-    kernels = [int8_sub16.tile_kernel(avx2=avx2) for avx2 in (True, False)]
+def test_portable_dots_equal_the_simd_dots():
+    """The portable IR, the AVX2 intrinsics and vpdpbusd (where the machine has VNNI) give
+    the same bits on Q6_K and Q3_K bytes with edge scales, for one, two and three tokens."""
+    if len(int8.ISAS) == 1:
+        pytest.skip("no AVX2 on numba's target: only the portable dots run here")
+    kernels = [int8_sub16.tile_kernel(isa=isa) for isa in int8.ISAS]
     for qtype in FORMATS:
         tiles = _int8(qtype, edge_raw(qtype, 70, 512, seed=11), (70, 512)).tiles
         for t in (1, 2, 3):
@@ -128,7 +128,8 @@ def test_portable_dots_equal_the_avx2_dots():
             got = [np.empty((t, 70), dtype=np.float32) for _ in kernels]
             for kernel, out in zip(kernels, got, strict=True):
                 kernel(xq, xd, tiles.q, tiles.s, tiles.d, out)
-            assert_bits_equal(got[0], got[1])
+            for other in got[1:]:
+                assert_bits_equal(got[0], other)
 
 
 # --- layout and reads ----------------------------------------------------------------------------
@@ -185,8 +186,8 @@ def test_weights_take_one_byte_and_scales_one_per_16():
 
 
 def test_integer_simd_in_assembly():
-    """On AVX2 the half-block dots are vpmaddubsw, then vpmaddwd against the scales, with no
-    reduction across lanes (no vphaddd)."""
+    """On AVX2 the half-block dots are vpmaddubsw, then vpmaddwd against the scales (with VNNI
+    vpdpbusd, then vpmulld), with no reduction across lanes (no vphaddd)."""
     if "avx2" not in _cpu_flags() or not int8.AVX2:
         pytest.skip("no AVX2 in /proc/cpuinfo or on numba's target: portable IR is emitted")
     w = _int8(QType.Q6_K, quantized(QType.Q6_K, 16, 256), (16, 256))
@@ -196,6 +197,7 @@ def test_integer_simd_in_assembly():
     sig = kernel.signatures[0]
     fresh.compile(sig)
     asm = fresh.inspect_asm(sig)
-    for op in ("vpmaddubsw", "vpmaddwd", "vpsignb"):
+    ops = ("vpdpbusd", "vpmulld") if int8.ISA == int8.VNNI_DOT else ("vpmaddubsw", "vpmaddwd")
+    for op in (*ops, "vpsignb"):
         assert op in asm, op
     assert "vphaddd" not in asm

@@ -29,8 +29,9 @@ int8.py), int16 lanes 2r, 2r + 1 holding row r; the 4 chunks of a half added in 
 q - 32 = -32 included; an int8 weight of -128 would overflow). Then vpmaddwd of that sum
 against the half's scales, each row's sc in both of its lanes (8 bytes sign-extended, then
 duplicated), gives sc_h,r * half sum in int32 lane r; the two halves' vectors added. Portable
-IR elsewhere (avx2=False): int32 products per chunk, summed, times the scales. Both exact, so
-the same bits.
+IR elsewhere (isa=PORTABLE): int32 products per chunk, summed, times the scales. With VNNI
+(int8.VNNI_DOT) a half is 4 vpdpbusd of |w| and x with w's sign in int32, then times the
+scales (vpmulld). All exact, so the same bits.
 
 Dequantization and row reads give the float codec's bits: a = d * sc in float32 (exact), then
 subblock.values. Not here: Q2_K (an offset per 16 weights needs activation sums per half
@@ -51,7 +52,7 @@ from numba.extending import intrinsic
 
 from cfr_atlas.quant import int8
 from cfr_atlas.quant.formats import Codec, QType
-from cfr_atlas.quant.int8 import AVX2, CHUNK, GROUP, I8, I16, I32, QK, SCALE, V8, V32
+from cfr_atlas.quant.int8 import CHUNK, GROUP, I8, I16, I32, QK, SCALE, V8, V32
 from cfr_atlas.quant.kquants import QK_K, SuperScaled
 from cfr_atlas.quant.subblock import Offset, values
 from cfr_atlas.quant.tiles import TILE_ROWS, gather_rows, n_tiles, to_tiles
@@ -111,6 +112,16 @@ def _half_avx2(builder, mags, chunks, xbs, scales):
     return int8._x86(builder, "llvm.x86.avx2.pmadd.wd", V32, pairs, twice)
 
 
+def _half_vnni(builder, mags, chunks, xbs, scales):
+    """One half with vpdpbusd: its chunks' dots of |w| and x with w's sign summed in int32,
+    then times the rows' sign-extended scales -> <8 x i32> sc_r * half sum."""
+    acc = int8._splat(V32, 0)
+    for m, w, xb in zip(mags, chunks, xbs, strict=True):
+        acc = int8._x86(builder, "llvm.x86.avx512.vpdpbusd.256", V32, acc,
+                        builder.bitcast(m, V32), builder.bitcast(_psign(builder, xb, w), V32))
+    return builder.mul(acc, builder.sext(scales, V32))
+
+
 def _half_generic(builder, chunks, xbs, scales):
     """Portable: the half's chunk dots in int32, summed, times the sign-extended scales."""
     dots = int8._sum(builder, [int8._chunk_generic(builder, w, xb, False)
@@ -126,22 +137,23 @@ def _load(context, builder, ary_t, ary, offset, step, vec, count):
 
 
 def _dot16_codegen(tokens: int):
-    """Codegen of dot16 / dot16x2 for their literal avx2 argument."""
+    """Codegen of dot16 / dot16x2 for their literal isa argument (int8.ISAS)."""
 
     def codegen(context, builder, sig, args):
-        avx2 = sig.args[-1].literal_value
+        isa = sig.args[-1].literal_value
         chunks = _load(context, builder, sig.args[0], args[0], args[1], QK, V8, QK // CHUNK)
         scales = _load(context, builder, sig.args[2], args[2], args[3], GROUP, V8S, 2)
-        mags = [_psign(builder, c, c) for c in chunks] if avx2 else None  # |w|, for both tokens
+        # |w|, for both tokens
+        mags = [_psign(builder, c, c) for c in chunks] if isa != int8.PORTABLE else None
+        half = {int8.AVX2_DOT: _half_avx2, int8.VNNI_DOT: _half_vnni}.get(isa)
         for xa, xo, oa in ((4, 5, 6), (8, 9, 10))[:tokens]:
             xbs = [int8._broadcast(context, builder, sig.args[xa], args[xa], args[xo], CHUNK * c)
                    for c in range(QK // CHUNK)]
             halves = []
             for h in range(2):
                 part = slice(h * CHUNKS, (h + 1) * CHUNKS)
-                if avx2:
-                    halves.append(_half_avx2(builder, mags[part], chunks[part], xbs[part],
-                                             scales[h]))
+                if half is not None:
+                    halves.append(half(builder, mags[part], chunks[part], xbs[part], scales[h]))
                 else:
                     halves.append(_half_generic(builder, chunks[part], xbs[part], scales[h]))
             out = int8._ptr(context, builder, sig.args[oa], args[oa], args[7], V32)
@@ -151,29 +163,33 @@ def _dot16_codegen(tokens: int):
     return codegen
 
 
+def _literal_isa(isa) -> bool:
+    return isinstance(isa, types.IntegerLiteral) and isa.literal_value in int8.ISAS
+
+
 @intrinsic
-def dot16(typingctx, w, wo, s, so, x, xo, out, oo, avx2):
+def dot16(typingctx, w, wo, s, so, x, xo, out, oo, isa):
     """out[oo + r] = sum_h s[so + scale_byte(r, h)] * sum_{j in half h} W_r[j] x[xo + j] for
-    the 8 rows r of the group at w[wo:] (int8 block tiles, |w| <= WMAX); avx2 a literal
-    boolean (False: the portable IR)."""
-    if not int8._literal_flags(avx2):
+    the 8 rows r of the group at w[wo:] (int8 block tiles, |w| <= WMAX); isa a literal int
+    of int8.ISAS (PORTABLE: the portable IR)."""
+    if not _literal_isa(isa):
         return None
-    return types.void(w, wo, s, so, x, xo, out, oo, avx2), _dot16_codegen(1)
+    return types.void(w, wo, s, so, x, xo, out, oo, isa), _dot16_codegen(1)
 
 
 @intrinsic
-def dot16x2(typingctx, w, wo, s, so, x, xo, out, oo, u, uo, out_u, avx2):
+def dot16x2(typingctx, w, wo, s, so, x, xo, out, oo, u, uo, out_u, isa):
     """dot16 for two tokens, x[xo:] -> out and u[uo:] -> out_u, weights and scales loaded
     once."""
-    if not int8._literal_flags(avx2):
+    if not _literal_isa(isa):
         return None
-    return types.void(w, wo, s, so, x, xo, out, oo, u, uo, out_u, avx2), _dot16_codegen(2)
+    return types.void(w, wo, s, so, x, xo, out, oo, u, uo, out_u, isa), _dot16_codegen(2)
 
 
 # --- the tile kernel ---------------------------------------------------------------------------
 
 
-def tile_kernel(avx2: bool = AVX2):
+def tile_kernel(isa: int = int8.ISA):
     """The parallel kernel(xq, xd, q, s, d, out) for int8 block tiles q with scale tiles s and
     per-block d: int8.tile_kernel's loops (threads split the tiles, tokens in pairs sharing
     one weight load) and its SCALE term. The closure holds plain values only (numba's disk
@@ -181,7 +197,7 @@ def tile_kernel(avx2: bool = AVX2):
     int8.tile_kernel's with dot16 / dot16x2 (and their scale offsets) in place of dot8 / dot8x2.
     One shared loop would need one intrinsic with a literal mode over both modules' codegen."""
     R = TILE_ROWS
-    avx2 = bool(avx2)
+    isa = int(isa)
 
     @njit(parallel=True, cache=True, nogil=True)
     def kernel(xq, xd, q, s, d, out):
@@ -199,7 +215,7 @@ def tile_kernel(avx2: bool = AVX2):
                     o, so, k0 = b * R * QK, b * 2 * R, b * QK
                     for g in range(0, R, GROUP):  # the tile's rows, GROUP at a time
                         dot16x2(q[i], o + g * QK, s[i], so + 2 * g, xq[t], k0, isum, g,
-                                xq[t + 1], k0, isum_u, avx2)
+                                xq[t + 1], k0, isum_u, isa)
                     int8._add_terms(acc, d[i], d[i], b, xd[t, b], 0, isum, R, SCALE)
                     int8._add_terms(acc_u, d[i], d[i], b, xd[t + 1, b], 0, isum_u, R, SCALE)
                 out[t, n0:n0 + lanes] = acc[:lanes]
@@ -210,7 +226,7 @@ def tile_kernel(avx2: bool = AVX2):
                 for b in range(K // QK):
                     o, so, k0 = b * R * QK, b * 2 * R, b * QK
                     for g in range(0, R, GROUP):
-                        dot16(q[i], o + g * QK, s[i], so + 2 * g, xq[t], k0, isum, g, avx2)
+                        dot16(q[i], o + g * QK, s[i], so + 2 * g, xq[t], k0, isum, g, isa)
                     int8._add_terms(acc, d[i], d[i], b, xd[t, b], 0, isum, R, SCALE)
                 out[t, n0:n0 + lanes] = acc[:lanes]
 
