@@ -20,12 +20,14 @@ Settings: llama.cpp (llama-cpp-python, `benchmarks/install_llama_cpp.sh`) with
 n_threads = n_threads_batch = --threads, n_batch = n_ubatch = 512, n_ctx covering the longest
 run, its default f16 K/V, flash attention on (what llama.cpp's own default "auto" resolves to
 on a CPU; llama-cpp-python's default is off, --flash-attn off measures that) and
-OMP_WAIT_POLICY=PASSIVE (on a shared, busy machine llama.cpp's spinning OpenMP barriers
-collapse: decode after 512 tokens measured 0.5-0.8 tok/s ACTIVE against 19-27 PASSIVE at load
-average 15; --omp-wait-policy active for a quiet machine); ours with its defaults (float16
-K/V, no budget, 256-token prefill chunks, OMP_WAIT_POLICY unset: numba's OpenMP layer reads it
-too, and PASSIVE made our decode 1.5x slower until session 29 gave the setting to llama.cpp's
-worker only), as two engines: float arithmetic
+OMP_WAIT_POLICY the same for both engines (both use OpenMP thread pools: llama.cpp's own,
+numba's OpenMP layer): --omp-wait-policy default (unset: OpenMP spins a while at a barrier,
+then sleeps) or active (spin) on a quiet machine, passive on a shared, busy one, where spinning
+barriers collapse (llama.cpp's decode after 512 tokens measured 0.5-0.8 tok/s ACTIVE against
+19-27 PASSIVE at load average 15). Until session 31 the policy reached llama.cpp's worker only,
+and PASSIVE by default: on a quiet machine that held llama.cpp's decode to a third of its speed
+(bundled Q4_1 after 16 tokens: 37 against 106 tok/s ACTIVE, docs/PERFORMANCE.md). Ours with
+its defaults (float16 K/V, no budget, 256-token prefill chunks), as two engines: float arithmetic
 (the default) and `matmul="int8"` (activations quantized per 32-element block, integer dots,
 as llama.cpp computes), each with its own ratio to llama.cpp. llama.cpp is skipped, with a
 note, when `llama_cpp` is not importable. This script does not compare the engines' outputs
@@ -158,15 +160,13 @@ WORKERS = {"ours": ours_worker, "ours-int8": ours_worker, "llamacpp": llamacpp_w
 
 
 def worker_env(spec: dict) -> dict:
-    """The worker's environment: threads pinned; the OpenMP wait policy for llama.cpp only."""
+    """The worker's environment: threads pinned, one OpenMP wait policy for both engines
+    (None: the variable unset, OpenMP's default, whatever the caller's shell set)."""
     t = str(spec["threads"])
     env = os.environ | {"NUMBA_NUM_THREADS": t, "OMP_NUM_THREADS": t,
                         "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    # the wait policy is llama.cpp's setting; numba's OpenMP threading layer reads the same
-    # variable, and PASSIVE (threads sleep after every parallel region) cost our decode 9 ms
-    # of a 19 ms token (profile_decode, bundled int8): ours runs with OpenMP's default
     env.pop("OMP_WAIT_POLICY", None)
-    if spec["engine"] == "llamacpp":
+    if spec["omp_wait_policy"] is not None:
         env["OMP_WAIT_POLICY"] = spec["omp_wait_policy"]
     return env
 
@@ -213,7 +213,9 @@ def plans(a, files: dict, ids_path: Path) -> list[dict]:
     longest = max(max(a.prompts), a.contexts[-1] + a.decode_tokens)
     base = {"threads": a.threads, "prompts": a.prompts, "contexts": a.contexts,
             "repeats": a.repeats, "decode_tokens": a.decode_tokens, "ids": str(ids_path),
-            "flash_attn": a.flash_attn == "on", "omp_wait_policy": a.omp_wait_policy.upper(),
+            "flash_attn": a.flash_attn == "on",
+            "omp_wait_policy": (None if a.omp_wait_policy == "default"
+                                else a.omp_wait_policy.upper()),
             "n_ctx": -(-(longest + 1) // 256) * 256}
     out = []
     for r in range(a.rounds):
@@ -313,9 +315,10 @@ def parse_args(argv=None):
                          "llamacpp (dropped if llama_cpp is not importable); default: all")
     ap.add_argument("--flash-attn", choices=["on", "off"], default="on",
                     help="llama.cpp's flash attention (on: what its default 'auto' picks)")
-    ap.add_argument("--omp-wait-policy", choices=["passive", "active"], default="passive",
-                    help="OMP_WAIT_POLICY of llama.cpp's worker (its OpenMP barriers); "
-                         "ours runs with OpenMP's default")
+    ap.add_argument("--omp-wait-policy", choices=["default", "active", "passive"],
+                    default="default",
+                    help="OMP_WAIT_POLICY of both engines' workers (default: unset, OpenMP's "
+                         "own; active on a quiet machine, passive on a busy one)")
     ap.add_argument("--threads", type=int, default=2, help="threads for both engines")
     ap.add_argument("--rounds", type=int, default=2, help="worker runs per cell (median)")
     ap.add_argument("--repeats", type=int, default=3, help="prefill repeats per run (median)")
