@@ -112,20 +112,32 @@ def _f32_from_bits(typingctx, bits):
     return types.float32(bits), codegen
 
 
+@intrinsic
+def _f32_bits(typingctx, v):
+    """The bit pattern of the float32 v as an int32."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], I32)
+
+    return types.int32(v), codegen
+
+
 _ABS_BITS = np.int32(0x7FFFFFFF)  # |x| on the bits
 _MAX_BITS = np.int32(0x7F7FFFFF)  # the largest finite float32; above it inf and NaN
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _quantize_row(x, xi, xq, xd, xsum, t):
-    """Row t: x (K,) float32, xi its int32 view -> xq[t], xd[t], xsum[t]. amax is taken on the
+def _quantize_row(x, xq, xd, xsum, t):
+    """Row t: x (K,) float32 (any stride) -> xq[t], xd[t], xsum[t]. amax is taken on the
     bits (|x| orders as its bit pattern; an integer max vectorizes without fast-math, a float
     one does not), which also tells inf and NaN (bits above _MAX_BITS) apart."""
     for b in range(x.size // QK):
         k0 = b * QK
         m = np.int32(0)
         for j in range(QK):
-            m = max(m, xi[k0 + j] & _ABS_BITS)
+            m = max(m, _f32_bits(x[k0 + j]) & _ABS_BITS)
         if m > _MAX_BITS:
             xd[t, b] = np.float32(np.nan)
             xq[t, k0:k0 + QK] = 0
@@ -143,18 +155,17 @@ def _quantize_row(x, xi, xq, xd, xsum, t):
 
 
 @njit(cache=True, nogil=True)
-def quantize_rows(x, xi, xq, xd, xsum):
-    """x (T, K) float32 and its int32 view xi -> xq (T, K) int8, xd (T, K // QK) float32,
-    xsum (T, K // QK) int32."""
+def quantize_rows(x, xq, xd, xsum):
+    """x (T, K) float32 -> xq (T, K) int8, xd (T, K // QK) float32, xsum (T, K // QK) int32."""
     for t in range(x.shape[0]):
-        _quantize_row(x[t], xi[t], xq, xd, xsum, t)
+        _quantize_row(x[t], xq, xd, xsum, t)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _quantize_rows_parallel(x, xi, xq, xd, xsum):
+def _quantize_rows_parallel(x, xq, xd, xsum):
     """quantize_rows with the rows split between threads (a row's bits are its own)."""
     for t in prange(x.shape[0]):
-        _quantize_row(x[t], xi[t], xq, xd, xsum, t)
+        _quantize_row(x[t], xq, xd, xsum, t)
 
 
 PARALLEL_ROWS = 8  # from this many rows the threads share the quantization
@@ -164,13 +175,12 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x (T, K) float32, K a multiple of QK -> (xq int8 (T, K), d (T, nb) float32,
     xsum (T, nb) int32) with the numba kernel (threads from PARALLEL_ROWS rows: the same
     bits)."""
-    x = np.ascontiguousarray(x)
     T, K = x.shape
     xq = np.empty((T, K), dtype=np.int8)
     xd = np.empty((T, K // QK), dtype=np.float32)
     xsum = np.empty((T, K // QK), dtype=np.int32)
     kernel = _quantize_rows_parallel if T >= PARALLEL_ROWS else quantize_rows
-    kernel(x, x.view(np.int32), xq, xd, xsum)
+    kernel(x, xq, xd, xsum)
     return xq, xd, xsum
 
 
