@@ -49,7 +49,8 @@ class IntTiles(NamedTuple):
 
 class Width(NamedTuple):
     """How a format's quants are kept: bits (8, 4 or 5, int8.UNIT) and the bias added to q
-    for storage (Q5_0's q - 16 is stored as q + 16 - 16 = 0..31, the OFFSET16 term removes it)."""
+    for storage (Q5_0's q, its 5-bit value minus 16 in -16..15, is stored as q + 16 in 0..31;
+    the OFFSET16 term takes the 16 off again, in int32)."""
     bits: int
     bias: int = 0
 
