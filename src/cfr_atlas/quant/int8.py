@@ -295,11 +295,6 @@ def unpack_five(packed: np.ndarray) -> np.ndarray:
     return (low | (bits.reshape(rows, nb, QK) << np.uint8(4))).reshape(rows, -1)
 
 
-def gather_five_rows(tiles: np.ndarray, ids: np.ndarray | slice) -> np.ndarray:
-    """Block tiles of 5-bit weights -> rows `ids` as (n, nb * 32) uint8 values 0..31."""
-    return unpack_five(gather_block_rows(tiles, ids, UNIT[5]))
-
-
 def block_dots_numpy(w: np.ndarray, xq: np.ndarray) -> np.ndarray:
     """w (N, nb * QK) integers, xq (T, nb * QK) int8 -> (T, N, nb) int64 exact block dots."""
     n, t = w.shape[0], xq.shape[0]
@@ -366,7 +361,7 @@ def _sum(builder, vectors):
     return functools.reduce(builder.add, vectors)
 
 
-def _psign(builder, a, b):
+def psign(builder, a, b):
     """vpsignb: a with b's sign per byte (0 where b is 0)."""
     return _x86(builder, "llvm.x86.avx2.psign.b", V8, a, b)
 
@@ -376,7 +371,7 @@ def _dot_vnni(builder, pairs, bits):
     activations, one instruction a chunk; int8 weights through |w| and x with w's sign as on
     AVX2. Two accumulators, added at the end (exact in int32: the order is free)."""
     if bits == 8:
-        pairs = [(_psign(builder, w, w), _psign(builder, xb, w)) for w, xb in pairs]
+        pairs = [(psign(builder, w, w), psign(builder, xb, w)) for w, xb in pairs]
     accs = [_splat(V32, 0), _splat(V32, 0)]
     for k, (u, s) in enumerate(pairs):
         accs[k % 2] = _x86(builder, "llvm.x86.avx512.vpdpbusd.256", V32, accs[k % 2],
@@ -402,8 +397,8 @@ def _dot_chunks(builder, chunks, xbs, bits, isa):
             _madd_avx2(builder, w, xb) for w, xb in part]))
             for part in (pairs[:half], pairs[half:])])
     # int8: |w| x (x with w's sign), the unsigned x signed instruction, exactly
-    return _sum(builder, [_widen_avx2(builder, _madd_avx2(builder, _psign(builder, w, w),
-                                                          _psign(builder, xb, w)))
+    return _sum(builder, [_widen_avx2(builder, _madd_avx2(builder, psign(builder, w, w),
+                                                          psign(builder, xb, w)))
                           for w, xb in pairs])
 
 
@@ -454,13 +449,14 @@ def _dot8_codegen(tokens: int):
     return codegen
 
 
-def _literal_flags(*flags) -> bool:
-    return all(isinstance(f, types.BooleanLiteral) for f in flags)
+def literal_isa(isa) -> bool:
+    """Is isa a literal int of ISAS (the dots' instruction-set argument)?"""
+    return isinstance(isa, types.IntegerLiteral) and isa.literal_value in ISAS
 
 
 def _literal_bits(bits, isa) -> bool:
     return (isinstance(bits, types.IntegerLiteral) and bits.literal_value in UNIT
-            and isinstance(isa, types.IntegerLiteral) and isa.literal_value in ISAS)
+            and literal_isa(isa))
 
 
 @intrinsic

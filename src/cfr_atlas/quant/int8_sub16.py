@@ -97,15 +97,10 @@ def gather_scale_rows(tiles: np.ndarray, ids: np.ndarray | slice) -> np.ndarray:
 # --- the integer dot: 8 rows x one activation block, two scaled halves -> 8 int32 ----------
 
 
-def _psign(builder, a, b):
-    """vpsignb: a with b's sign (0 where b is 0)."""
-    return int8._x86(builder, "llvm.x86.avx2.psign.b", V8, a, b)
-
-
 def _half_avx2(builder, mags, chunks, xbs, scales):
     """One half: sum of its chunks' vpmaddubsw pairs in int16 (|sum| <= 32,512), then
     vpmaddwd against the rows' scales, each twice -> <8 x i32> sc_r * half sum."""
-    pairs = int8._sum(builder, [int8._madd_avx2(builder, m, _psign(builder, xb, w))
+    pairs = int8._sum(builder, [int8._madd_avx2(builder, m, int8.psign(builder, xb, w))
                                 for m, w, xb in zip(mags, chunks, xbs, strict=True)])
     wide = builder.sext(scales, V16S)
     twice = builder.shuffle_vector(wide, ir.Constant(V16S, None), TWICE)
@@ -118,7 +113,7 @@ def _half_vnni(builder, mags, chunks, xbs, scales):
     acc = int8._splat(V32, 0)
     for m, w, xb in zip(mags, chunks, xbs, strict=True):
         acc = int8._x86(builder, "llvm.x86.avx512.vpdpbusd.256", V32, acc,
-                        builder.bitcast(m, V32), builder.bitcast(_psign(builder, xb, w), V32))
+                        builder.bitcast(m, V32), builder.bitcast(int8.psign(builder, xb, w), V32))
     return builder.mul(acc, builder.sext(scales, V32))
 
 
@@ -144,7 +139,7 @@ def _dot16_codegen(tokens: int):
         chunks = _load(context, builder, sig.args[0], args[0], args[1], QK, V8, QK // CHUNK)
         scales = _load(context, builder, sig.args[2], args[2], args[3], GROUP, V8S, 2)
         # |w|, for both tokens
-        mags = [_psign(builder, c, c) for c in chunks] if isa != int8.PORTABLE else None
+        mags = [int8.psign(builder, c, c) for c in chunks] if isa != int8.PORTABLE else None
         half = {int8.AVX2_DOT: _half_avx2, int8.VNNI_DOT: _half_vnni}.get(isa)
         for xa, xo, oa in ((4, 5, 6), (8, 9, 10))[:tokens]:
             xbs = [int8._broadcast(context, builder, sig.args[xa], args[xa], args[xo], CHUNK * c)
@@ -163,16 +158,12 @@ def _dot16_codegen(tokens: int):
     return codegen
 
 
-def _literal_isa(isa) -> bool:
-    return isinstance(isa, types.IntegerLiteral) and isa.literal_value in int8.ISAS
-
-
 @intrinsic
 def dot16(typingctx, w, wo, s, so, x, xo, out, oo, isa):
     """out[oo + r] = sum_h s[so + scale_byte(r, h)] * sum_{j in half h} W_r[j] x[xo + j] for
     the 8 rows r of the group at w[wo:] (int8 block tiles, |w| <= WMAX); isa a literal int
     of int8.ISAS (PORTABLE: the portable IR)."""
-    if not _literal_isa(isa):
+    if not int8.literal_isa(isa):
         return None
     return types.void(w, wo, s, so, x, xo, out, oo, isa), _dot16_codegen(1)
 
@@ -181,7 +172,7 @@ def dot16(typingctx, w, wo, s, so, x, xo, out, oo, isa):
 def dot16x2(typingctx, w, wo, s, so, x, xo, out, oo, u, uo, out_u, isa):
     """dot16 for two tokens, x[xo:] -> out and u[uo:] -> out_u, weights and scales loaded
     once."""
-    if not _literal_isa(isa):
+    if not int8.literal_isa(isa):
         return None
     return types.void(w, wo, s, so, x, xo, out, oo, u, uo, out_u, isa), _dot16_codegen(2)
 
