@@ -16,6 +16,15 @@ process fight over the cores); engines alternate within a round and the order fl
 beside the issue-11 targets: decode after <= 16 tokens >= 1.2x, longer decode and prefill
 >= 1.5x.
 
+Decode against memory bandwidth: before and after the runs a worker measures the machine's read
+bandwidth with the same threads (one word of every 64-byte line of a 1 GiB buffer, best of 7);
+a second table gives, per engine and decode context, the weight bytes a token streams (ours:
+the repacked tiles; llama.cpp: the file's tensors, the token embedding left out when the file
+has a separate output head), the GB/s that makes at the measured speed, its share of the
+measured bandwidth, and the bound: tokens/s if those bytes streamed at that bandwidth and
+nothing else took time. Where both engines run near their bound, a ratio above bound / bound
+needs fewer bytes, not faster code.
+
 Settings: llama.cpp (llama-cpp-python, `benchmarks/install_llama_cpp.sh`) with
 n_threads = n_threads_batch = --threads, n_batch = n_ubatch = 512, n_ctx covering the longest
 run, its default f16 K/V, flash attention on (what llama.cpp's own default "auto" resolves to
@@ -117,7 +126,74 @@ def ours_worker(spec: dict, ids: np.ndarray) -> dict:
     state["s"].close()
     import numba
 
-    return {"rows": rows, "info": {"numba_threads": numba.get_num_threads()}}
+    return {"rows": rows, "info": {"numba_threads": numba.get_num_threads()},
+            "weight_bytes": our_weight_bytes(model.net)}
+
+
+def our_weight_bytes(net) -> int:
+    """Bytes of weights a decode token streams through our kernels: every QuantWeight the
+    network holds (the repacked tiles, `QuantWeight.nbytes`), the token embedding left out
+    when a separate output head exists (a token reads one row of it)."""
+    from cfr_atlas.quant import QuantWeight
+
+    found, stack, seen = {}, [net.weights], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, QuantWeight):
+            found[id(obj)] = obj
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif type(obj).__module__.startswith("cfr_atlas.models") and hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    embed, head = getattr(net.weights, "embed", None), getattr(net.weights, "output", None)
+    if isinstance(embed, QuantWeight) and embed is not head:
+        found.pop(id(embed), None)
+    return sum(w.nbytes for w in found.values())
+
+
+def gguf_weight_bytes(path) -> int:
+    """The same for llama.cpp on a GGUF file: every tensor's stored bytes (its CPU repack keeps
+    the size), token_embd left out when output.weight exists."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)
+    return sum(tensors.values())
+
+
+def stream_worker(spec: dict, ids: np.ndarray) -> dict:
+    """The machine's read bandwidth with the engines' threads: a parallel pass loading one
+    8-byte word of every 64-byte line of a 1 GiB buffer (every line crosses from DRAM), best
+    of 7, in GB/s. A decode token streaming B bytes of weights cannot run faster than
+    bandwidth / B."""
+    import numba
+
+    @numba.njit(parallel=True, cache=False)
+    def touch(a, parts):
+        n = a.size // parts
+        out = np.zeros(parts, dtype=np.uint64)
+        for p in numba.prange(parts):
+            acc = np.uint64(0)
+            for i in range(p * n, (p + 1) * n, 8):
+                acc += a[i]
+            out[p] = acc
+        return out.sum()
+
+    buf = np.ones(1 << 27, dtype=np.uint64)  # 1 GiB, first touched here
+    parts = 64 * spec["threads"]
+    touch(buf, parts)
+    best = min(_timed(touch, buf, parts) for _ in range(7))
+    return {"rows": {"stream GB/s": buf.nbytes / best / 1e9}, "info": {}}
+
+
+def _timed(f, *args) -> float:
+    t0 = time.perf_counter()
+    f(*args)
+    return time.perf_counter() - t0
 
 
 def llamacpp_worker(spec: dict, ids: np.ndarray) -> dict:
@@ -145,7 +221,7 @@ def llamacpp_worker(spec: dict, ids: np.ndarray) -> dict:
             "llama_cpp_commit": VENDORED.get(llama_cpp.__version__, "unknown"),
             "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
             "flash_attn": _flash_attn(llm)}
-    return {"rows": rows, "info": info}
+    return {"rows": rows, "info": info, "weight_bytes": gguf_weight_bytes(spec["model"])}
 
 
 def _flash_attn(llm) -> str:
@@ -156,7 +232,8 @@ def _flash_attn(llm) -> str:
     return "unknown"
 
 
-WORKERS = {"ours": ours_worker, "ours-int8": ours_worker, "llamacpp": llamacpp_worker}
+WORKERS = {"ours": ours_worker, "ours-int8": ours_worker, "llamacpp": llamacpp_worker,
+           "stream": stream_worker}
 
 
 def worker_env(spec: dict) -> dict:
@@ -236,9 +313,11 @@ def collect(a, runs: list[dict]) -> list[dict]:
             row = {"format": fmt, "kind": kind, "n": n, "workload": name,
                    "target": target(kind, n)}
             for e in ENGINES:
-                got = [r["rows"][name] for r in runs if r["format"] == fmt and r["engine"] == e]
+                mine = [r for r in runs if r["format"] == fmt and r["engine"] == e]
+                got = [r["rows"][name] for r in mine]
                 row[e] = statistics.median(got) if got else None
                 row[f"{e}_runs"] = got
+                row[f"{e}_weight_bytes"] = mine[0].get("weight_bytes") if mine else None
             for e, key in OURS.items():
                 both = row[e] is not None and row["llamacpp"] is not None
                 row[f"ratio{key}"] = row[e] / row["llamacpp"] if both else None
@@ -266,6 +345,32 @@ def table(rows: list[dict]) -> str:
                       "-" if met is None else ("yes" if met else "NO")]
         lines.append(f"| {r['format']} | {r['workload']} | {num(r['llamacpp'], '.1f')} | "
                      + " | ".join(cells) + f" | >= {r['target']:.1f} |")
+    return "\n".join(lines)
+
+
+def bandwidth_table(rows: list[dict], stream: float) -> str:
+    """Markdown, decode rows: per engine the weight bytes a token streams, the GB/s that makes
+    at the measured tok/s, and its share of the machine's read bandwidth (`stream_worker`);
+    `bound` = the tok/s of streaming those bytes at that bandwidth, nothing else done. K/V,
+    activations and the embedding row are not counted, so long contexts read more."""
+    engines = [e for e in ENGINES if any(r[e] is not None for r in rows)]
+    head = ("| format | workload | " + " | ".join(
+        f"{NAMES[e]} MB / token | GB/s | of stream | bound tok/s" for e in engines) + " |\n"
+            + "|---" * (2 + 4 * len(engines)) + "|")
+    lines = [head]
+    for r in rows:
+        if r["kind"] != "decode":
+            continue
+        cells = []
+        for e in engines:
+            b, tps = r[f"{e}_weight_bytes"], r[e]
+            if b is None or tps is None:
+                cells += ["-"] * 4
+                continue
+            gbs = b * tps / 1e9
+            cells += [f"{b / 1e6:.1f}", f"{gbs:.1f}", f"{gbs / stream:.2f}",
+                      f"{stream * 1e9 / b:.0f}"]
+        lines.append(f"| {r['format']} | {r['workload']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -366,6 +471,9 @@ def main(argv=None) -> int:
         files = variants(src, tmp, a.formats)
         ids = text_ids(src, max(max(a.prompts), a.contexts[-1] + a.decode_tokens), tmp)
         runs = []
+        stream_spec = {"engine": "stream", "threads": a.threads, "ids": str(ids),
+                       "omp_wait_policy": None}
+        streams = [] if a.quick else [run_worker(stream_spec)["rows"]["stream GB/s"]]
         for spec in plans(a, files, ids):
             print(f"round {spec['round']}: {spec['format']} {NAMES[spec['engine']]}",
                   file=sys.stderr, flush=True)
@@ -374,6 +482,9 @@ def main(argv=None) -> int:
             print("  " + ", ".join(f"{k} {v:.1f}" for k, v in got["rows"].items()),
                   file=sys.stderr, flush=True)
             meta.setdefault(f"{spec['engine']}_info", got["info"])
+    if not a.quick:
+        streams.append(run_worker(stream_spec)["rows"]["stream GB/s"])
+    meta["stream_gbs"] = streams
     meta["loadavg_end"] = list(os.getloadavg())
     rows = collect(a, runs)
     print(f"{meta['cpu']} ({', '.join(meta['cpu_flags'])}), {a.threads} threads, medians of "
@@ -387,6 +498,12 @@ def main(argv=None) -> int:
         print("WARNING: the machine was busy (load average above --threads): compare within "
               "this run only, and expect ratios to move on a quiet machine")
     print(table(rows))
+    if streams:
+        stream = statistics.median(streams)
+        print(f"\nDecode against memory bandwidth: a {a.threads}-thread read of a 1 GiB buffer "
+              f"ran {', '.join(f'{g:.1f}' for g in streams)} GB/s (before, after the runs); "
+              f"weights only:")
+        print(bandwidth_table(rows, stream))
     if "skipped" in meta:
         print(f"(skipped {meta['skipped']}: run benchmarks/install_llama_cpp.sh to compare)")
     if a.json:

@@ -57,6 +57,33 @@ def test_quick_run_prints_table_json_and_plot(bench, tmp_path, capsys):
         assert "skipped llama.cpp" in out
     assert meta["threads"] == 2 and meta["quick"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all(r["ours-int8_weight_bytes"] > 0 for r in rows)
+
+
+def test_weight_bytes_and_the_bandwidth_table(bench, tmp_path):
+    """The bytes a decode token streams: ours walks the network for every QuantWeight and
+    agrees with LlamaWeights.nbytes (the embedding left out only when the head is separate);
+    llama.cpp's is the file's tensor bytes. The table's arithmetic by hand."""
+    from cfr_atlas.engine import load_model
+
+    tiny = bench.quick_model(tmp_path)
+    for arithmetic in ("float", "int8"):
+        net = load_model(tiny, matmul=arithmetic).net
+        w = net.weights
+        untied = w.embed is not w.output
+        assert bench.our_weight_bytes(net) == w.nbytes - (w.embed.nbytes if untied else 0)
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(tiny).tensors}
+    head = "output.weight" in tensors
+    assert bench.gguf_weight_bytes(tiny) == sum(tensors.values()) - (
+        tensors["token_embd.weight"] if head else 0)
+    row = {"format": "Q4_0", "kind": "decode", "workload": "decode @16", "ours": 100.0,
+           "ours_weight_bytes": 10**8, "ours-int8": None, "ours-int8_weight_bytes": None,
+           "llamacpp": 150.0, "llamacpp_weight_bytes": 5 * 10**7}
+    table = bench.bandwidth_table([row, {**row, "kind": "prefill"}], stream=20.0)
+    # ours: 100 MB x 100 tok/s = 10 GB/s, half of 20, bound 200; llama.cpp: 7.5 GB/s, bound 400
+    assert table.splitlines()[2] == ("| Q4_0 | decode @16 | 100.0 | 10.0 | 0.50 | 200 | "
+                                     "50.0 | 7.5 | 0.38 | 400 |")
+    assert len(table.splitlines()) == 3  # decode rows only
 
 
 def test_bad_contexts_are_refused(bench):

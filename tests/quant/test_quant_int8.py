@@ -282,6 +282,44 @@ def test_portable_dots_equal_the_simd_dots(bits, term):
             assert_bits_equal(got[0], other)
 
 
+@pytest.mark.parametrize("bits, term", [(8, int8.SCALE), (4, int8.OFFSET8), (4, int8.MIN),
+                                        (5, int8.OFFSET16)])
+def test_float16_scales_are_their_float32_values(bits, term):
+    """Scales and offsets kept as float16 bits (the block formats' own GGUF values) give
+    bitwise the kernel's result with the same values widened to float32 up front, subnormal,
+    inf and NaN scales included: the term widens them exactly, before the same operations."""
+    rng = np.random.default_rng(5)
+    n, k, unit = 40, 128, int8.UNIT[bits]
+    q = rng.integers(0, 256, size=(n, k // 32 * unit)).astype(np.uint8)
+    d16 = (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float16)
+    m16 = rng.standard_normal((n, k // 32)).astype(np.float16)
+    d16[0, :4] = [np.float16(6e-8), np.float16(65504), np.float16(np.inf), np.float16(np.nan)]
+    m16[1, :2] = [np.float16(-6e-8), np.float16(-np.inf)]
+    tiles = int8.to_block_tiles(q, unit)
+    kernel = int8.tile_kernel(bits, term)
+    xq, xd, xsum = int8.quantize(_x(3, k, seed=2))
+    got = np.empty((3, n), dtype=np.float32)
+    want = np.empty((3, n), dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        kernel(xq, xd, xsum, tiles, to_tiles(d16.view(np.uint16)), to_tiles(m16.view(np.uint16)),
+               got)
+        kernel(xq, xd, xsum, tiles, to_tiles(d16.astype(np.float32)),
+               to_tiles(m16.astype(np.float32)), want)
+    assert_bits_equal(got, want)
+    assert np.isnan(got[:, 0]).all() and np.isfinite(got[:, 2:]).all()
+
+
+@pytest.mark.parametrize("qtype", list(INT8_FORMATS))
+def test_tiles_stream_the_bytes_gguf_stores(qtype):
+    """Q8_0, Q4_0 and Q4_1 keep their quants at their width and their float16 scales as
+    float16: a matrix's integer tiles are exactly as many bytes as its GGUF blocks."""
+    rows, k = 4 * TILE_ROWS, 256
+    raw = quantized(qtype, rows, k)
+    w = _int8(qtype, raw, (rows, k))
+    assert sum(a.nbytes for a in w.tiles) == raw.nbytes
+    assert all(a.dtype == np.uint16 for a in w.tiles[1:])  # float16 bits
+
+
 def test_five_bit_dots_are_exact_at_the_int16_bound():
     """5-bit weights at scale 1 against integer activations: each output is the exact integer
     dot of the stored values, also where every weight is 31 and every activation +-127 (each

@@ -48,7 +48,7 @@ def test_integer_simd_in_assembly(qtype):
     if "avx2" not in _cpu_flags() or not int8.AVX2:
         pytest.skip("no AVX2 in /proc/cpuinfo or on numba's target: portable IR is emitted")
     _int8(qtype, quantized(qtype, 16, 256), (16, 256)).matmul(np.ones((1, 256), np.float32))
-    _, offset, width = INT8_FIELDS[qtype]
+    _, offset, width, _ = INT8_FIELDS[qtype]
     kernel = int8_fields._KERNELS[offset is not Offset.NONE, width]
     fresh = numba.njit(parallel=True)(kernel.py_func)  # numba cannot inspect cached code
     sig = kernel.signatures[0]
@@ -61,8 +61,15 @@ def test_integer_simd_in_assembly(qtype):
 
 def test_weights_are_kept_at_the_width_of_their_values():
     """Q4_K's integer tiles hold half a byte per weight, the 5-bit formats' 5/8 of a byte
-    (nibbles + a plane of high bits), IQ4_NL's one byte."""
-    for qtype, per_weight in ((QType.Q4_K, 0.5), (QType.Q5_0, 0.625), (QType.Q5_1, 0.625),
-                              (QType.Q5_K, 0.625), (QType.IQ4_NL, 1.0)):
+    (nibbles + a plane of high bits), IQ4_NL's one byte; scales that are GGUF's float16 values
+    stay float16 (their bits: Q5_0's tiles are then exactly GGUF's 5.5 bits a weight), the
+    K-quants' products d * sc float32."""
+    half, single = np.uint16, np.float32
+    for qtype, per_weight, scale in ((QType.Q4_K, 0.5, single), (QType.Q5_0, 0.625, half),
+                                     (QType.Q5_1, 0.625, half), (QType.Q5_K, 0.625, single),
+                                     (QType.IQ4_NL, 1.0, half)):
         w = _int8(qtype, quantized(qtype, 64, 512), (64, 512))
         assert w.tiles.q.nbytes == 64 * 512 * per_weight
+        assert w.tiles.d.dtype == scale and w.tiles.d.nbytes == 64 * 512 // 32 * scale().itemsize
+        has_m = INT8_FIELDS[qtype][1] is not Offset.NONE
+        assert w.tiles.m.dtype == scale and w.tiles.m.nbytes == (w.tiles.d.nbytes if has_m else 0)

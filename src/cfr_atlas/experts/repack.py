@@ -13,7 +13,7 @@ arrays in place. Two layouts, one per matmul arithmetic (R = TILE_ROWS):
     q[i, b * R * U + block_byte(r, j, U)] = byte j of the quants of row i * R + r, block b,
                                 as stored (U = 16 packed nibbles for Q4_0, 32 int8 for
                                 Q8_0; rows interleaved in 4-byte chunks, int8.py)
-    d[i, b * R + r]           = as a above
+    d[i, b * R + r]           = f16 scale d of block b of that row, its bits as stored
   rows past the matrix (the last tile's padding): 0 in every array
 
 Covered: Q4_0 (18-byte block: f16 d | 16 bytes of nibbles, low = q[j], high = q[j + 16],
@@ -23,7 +23,7 @@ checks at build time that this pass writes the very bytes the codec's repack giv
 twin is the codec's `repack` / `int_repack`), and refuses to use it otherwise.
 
 Speed. The int8 layout keeps each row's block bytes in 4-byte chunks: a fill is 4 or 8 copies
-of 4 bytes per (row, block) and a scale conversion. The float layout is column-major within a
+of 4 bytes per (row, block) and the scale's two bytes. The float layout is column-major within a
 tile, so a fill transposes: each 16 x 16 byte square (16 rows' quants of one block) is
 loaded into vector registers and transposed by byte unpacks (`_tile_block`), and Q4_0's
 nibbles become q - 8 with vector masks. Bytes move through small intrinsics (vector loads
@@ -225,14 +225,15 @@ def _make_copy(R: int, unit: int):
     @njit(nogil=True, cache=True, parallel=True)
     def copy_rows(src, rows, r0, nb, q, d):
         """src (rows * row_bytes,) uint8 blocks -> rows r0 .. r0 + rows - 1 of the flat block
-        tiles q (n_tiles * nb * R * unit,) uint8 and d (n_tiles * nb * R,) uint32 float bits.
-        Threads split the rows (each writes only its own)."""
+        tiles q (n_tiles * nb * R * unit,) uint8 and d (n_tiles * nb * R,) uint16: the
+        block's float16 scale bits as stored. Threads split the rows (each writes only its
+        own)."""
         row_bytes = nb * block
         for g in prange(rows):
             i, r = (r0 + g) // R, (r0 + g) % R
             for b in range(nb):
                 s, at = g * row_bytes + b * block, i * nb * R + b * R + r
-                d[at] = half_bits_to_float_bits(np.uint32(src[s]) | (np.uint32(src[s + 1]) << 8))
+                d[at] = np.uint16(src[s]) | (np.uint16(src[s + 1]) << np.uint16(8))
                 base = (i * nb + b) * R * unit
                 for j in range(0, unit, 4):  # the row's 4-byte chunks (int8.block_byte)
                     _copy_bytes(q, base + block_byte(r, j, unit), src, s + SCALE_BYTES + j, 4)
@@ -301,11 +302,11 @@ def copy(srcs: list[np.ndarray], qtype: QType, cols: int, tiles) -> None:
     q, d, R = tiles.q, tiles.d, TILE_ROWS
     unit, nb, n_tiles = _UNIT[qtype], cols // QK, q.shape[0]
     if q.shape != (n_tiles, nb * R * unit) or d.shape != (n_tiles, nb * R) \
-            or q.itemsize != 1 or d.dtype != np.float32 or cols % QK \
+            or q.itemsize != 1 or d.dtype != np.uint16 or cols % QK \
             or not q.flags.c_contiguous or not d.flags.c_contiguous:
         raise ValueError(f"tiles q {q.dtype}{q.shape}, d {d.dtype}{d.shape} do not fit "
                          f"{cols} columns in block tiles of {R} rows")
-    qf, df = q.reshape(-1).view(np.uint8), d.reshape(-1).view(np.uint32)
+    qf, df = q.reshape(-1).view(np.uint8), d.reshape(-1)
     r0 = _stacked(_COPY[qtype], srcs, qtype, cols, n_tiles * R, nb, qf, df)
     _zero_block_rows(r0, n_tiles, R, nb, unit, qf, df)
 

@@ -32,6 +32,12 @@ with each row's 4 weights (llama.cpp's repacked Q4_0x8 layout is built on the sa
 byte i carries: bit 2c that of q[4c + i] (low nibble), bit 2c + 1 that of q[16 + 4c + i]; in
 the kernel a shift and a mask put it beside the nibble. 5 bits a weight instead of 8.
 
+Block scales (and Q4_1's minimums) sit in tiles of their own (tiles.py), one per (row, block):
+the float16 bits GGUF stores (uint16) where the format's scales are float16 values (Q8_0,
+Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL), float32 where they are products (the K-quants' d * sc). The
+block term widens float16 exactly (vcvtph2ps), so either gives the same float32 operands; with
+float16 scales a Q4_0 / Q4_1 / Q8_0 / Q5_0 matrix streams exactly its GGUF bytes.
+
 The integer dot of one block for 8 weight rows is an LLVM intrinsic. With AVX-512 VNNI (and
 VL) or AVX-VNNI, per 4-weight chunk one vpdpbusd: each int32 lane (one row) adds its 4 unsigned
 weight bytes times the 4 broadcast activations (int8 weights: |w| and x with w's sign, as
@@ -490,6 +496,22 @@ _OFFSETS = {OFFSET8: 8, OFFSET16: 16}
 
 F32 = ir.FloatType()
 VF = ir.VectorType(F32, GROUP)
+VH, VI16 = ir.VectorType(ir.HalfType(), GROUP), ir.VectorType(I16, GROUP)
+
+
+def widen_scales(a: np.ndarray) -> np.ndarray:
+    """Tile scales as float32: float16 bits (uint16, how the block formats keep GGUF's scales)
+    widened exactly, float32 as is."""
+    return a.view(np.float16).astype(np.float32) if a.dtype == np.uint16 else a
+
+
+def _scales(context, builder, a_t, a, k):
+    """<8 x float> of a[k .. k + 7]: float32 loaded as is, uint16 float16 bits widened (exact:
+    vcvtph2ps with F16C)."""
+    if a_t.dtype == types.uint16:
+        bits = builder.load(_ptr(context, builder, a_t, a, k, VI16), align=2)
+        return builder.fpext(builder.bitcast(bits, VH), VF)
+    return builder.load(_ptr(context, builder, a_t, a, k, VF), align=4)
 
 
 def _term8_codegen(context, builder, sig, args):
@@ -504,13 +526,12 @@ def _term8_codegen(context, builder, sig, args):
     if term in _OFFSETS:  # isum - 8 xs or - 16 xs, exact in int32 (|isum| <= 32 * 31 * 127)
         shift_xs = builder.mul(xs, ir.Constant(I32, _OFFSETS[term]))
         dot = builder.sub(dot, _splat_value(builder, V32, shift_xs))
-    scaled = builder.fmul(builder.load(_ptr(context, builder, d_t, d, k, VF), align=4),
-                          _splat_value(builder, VF, dx))
+    scaled = builder.fmul(_scales(context, builder, d_t, d, k), _splat_value(builder, VF, dx))
     t = builder.fmul(scaled, builder.sitofp(dot, VF))
     if term == MIN:  # + m_k * (dx * xs)
         dxs = builder.fmul(dx, builder.sitofp(xs, F32))
-        t = builder.fadd(t, builder.fmul(builder.load(_ptr(context, builder, m_t, m, k, VF),
-                                                      align=4), _splat_value(builder, VF, dxs)))
+        t = builder.fadd(t, builder.fmul(_scales(context, builder, m_t, m, k),
+                                         _splat_value(builder, VF, dxs)))
     p = _ptr(context, builder, acc_t, acc, ao, VF)
     builder.store(builder.fadd(builder.load(p, align=4), t), p, align=4)
     return context.get_dummy_value()
@@ -518,14 +539,17 @@ def _term8_codegen(context, builder, sig, args):
 
 @intrinsic
 def term8(typingctx, acc, ao, d, m, k, dx, xs, isum, io, term):
-    """acc[ao + r] += block term for 8 rows r: d[k + r], m[k + r] (MIN only), the activation
-    block's dx (float32) and xs (its integer sum), isum[io + r] the rows' int32 dots; term a
-    literal SCALE / OFFSET8 / OFFSET16 / MIN."""
-    f32_arrays = all(isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C"
-                     for a in (acc, d, m))
-    if (not isinstance(term, types.IntegerLiteral) or dx != types.float32 or not f32_arrays
-            or not isinstance(xs, types.Integer) or not isinstance(isum, types.Array)
-            or isum.dtype != types.int32 or isum.layout != "C"):
+    """acc[ao + r] += block term for 8 rows r: d[k + r], m[k + r] (MIN only; float32, or
+    float16 bits as uint16, widened exactly), the activation block's dx (float32) and xs (its
+    integer sum), isum[io + r] the rows' int32 dots; term a literal SCALE / OFFSET8 / OFFSET16
+    / MIN."""
+    f32_acc = isinstance(acc, types.Array) and acc.dtype == types.float32 and acc.layout == "C"
+    scales = all(isinstance(a, types.Array) and a.dtype in (types.float32, types.uint16)
+                 and a.layout == "C" for a in (d, m))
+    if (not isinstance(term, types.IntegerLiteral) or dx != types.float32 or not f32_acc
+            or not scales or not isinstance(xs, types.Integer)
+            or not isinstance(isum, types.Array) or isum.dtype != types.int32
+            or isum.layout != "C"):
         return None  # the vector loads below assume these element types, contiguous
     return types.void(acc, ao, d, m, k, dx, xs, isum, io, term), _term8_codegen
 

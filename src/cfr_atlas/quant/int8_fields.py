@@ -21,7 +21,9 @@ GGUF packs Q4_0 (low nibbles q[0..15] of a sub-block, high q[16..31]) through Q4
 kernel; the 5-bit formats' (Q5_0 stored as q + 16, Q5_1 and Q5_K as q, all 0..31) as those
 nibbles plus a plane of high bits (int8.pack_five), Q5_0 with the OFFSET16 term (the - 16 once per
 block, in int32: the same isum); IQ4_NL's one byte each. Scales and offsets take 4 bytes per 32
-weights. A token streams 6 bits a weight for Q5_0 (GGUF: 5.5), 7 for Q5_1 and Q5_K, 6 for Q4_K.
+weights: float16 for Q5_0, Q5_1 and IQ4_NL (GGUF's own values, widened exactly in the kernel's
+term), float32 for the K-quants (a_s = d * sc_s needs more than float16's 11 bits). A token
+streams 5.5 bits a weight for Q5_0 (as GGUF), 6 for Q5_1 (GGUF: 6), 7 for Q5_K, 6 for Q4_K.
 Dequantization and row reads give the float path's bits (the same a, c, q).
 """
 
@@ -43,7 +45,7 @@ QK = int8.QK
 
 class IntTiles(NamedTuple):
     q: np.ndarray  # (n_tiles, nb * TILE_ROWS * int8.UNIT[bits]) uint8 block tiles (int8.py)
-    d: np.ndarray  # (n_tiles, nb * TILE_ROWS) float32 sub-block scales a_s (tiles.py layout)
+    d: np.ndarray  # (n_tiles, nb * TILE_ROWS) sub-block scales a_s (float32, or float16 bits)
     m: np.ndarray  # the same for the offset as added (c_s or -c_s); (n_tiles, 0) without one
 
 
@@ -64,14 +66,25 @@ _UNPACK = {8: lambda b: b, 4: int8.unpack_nibbles, 5: int8.unpack_five}
 _PACK = {8: lambda q: q.view(np.uint8), 4: int8.pack_nibbles, 5: int8.pack_five}
 
 
-def _repack(fields: Callable[[np.ndarray], Fields], offset: Offset, width: Width,
+def _kept(a: np.ndarray, half: bool) -> np.ndarray:
+    """Scales as the tiles keep them: float16 bits (uint16) for a format whose scales are
+    GGUF's float16 values (exact both ways), else float32."""
+    if not half:
+        return a
+    a16 = a.astype(np.float16)
+    if not np.array_equal(a16.astype(np.float32), a, equal_nan=True):
+        raise AssertionError("scales are not float16 values")  # a format table error
+    return a16.view(np.uint16)
+
+
+def _repack(fields: Callable[[np.ndarray], Fields], offset: Offset, width: Width, half: bool,
             raw: np.ndarray) -> IntTiles:
     a, c, q = fields(raw)
-    d = to_tiles(a)
+    d = to_tiles(_kept(a, half))
     if offset is Offset.NONE:
-        m = np.zeros((d.shape[0], 0), dtype=np.float32)
+        m = np.zeros((d.shape[0], 0), dtype=d.dtype)
     else:
-        m = to_tiles(-c if offset is Offset.SUBTRACT else c)
+        m = to_tiles(_kept(-c if offset is Offset.SUBTRACT else c, half))
     stored = q.astype(np.int16) + width.bias
     if width.bits < 8 and (stored.min(initial=0) < 0 or stored.max(initial=0) >= 1 << width.bits):
         raise AssertionError(f"quants outside {width}")  # a format table error, not input
@@ -88,7 +101,8 @@ def _weights(width: Width, tiles: IntTiles, ids: np.ndarray | slice) -> np.ndarr
 def _unpack_rows(offset: Offset, width: Width, tiles: IntTiles, ids: np.ndarray | slice,
                  out: np.ndarray | None = None) -> np.ndarray:
     q = _weights(width, tiles, ids)
-    a, c = gather_rows(tiles.d, ids), row_offsets(offset, tiles.m, ids)
+    a = int8.widen_scales(gather_rows(tiles.d, ids))
+    c = row_offsets(offset, int8.widen_scales(tiles.m), ids)
     return values(a, c, q, np.empty(q.shape, dtype=np.float32) if out is None else out, offset)
 
 
@@ -104,8 +118,8 @@ def _matmul_numpy(has_m: bool, width: Width, x: np.ndarray, tiles: IntTiles,
     xq, xd, xsum = int8.quantize_numpy(x)
     w = _weights(width, tiles, slice(None))
     dots = int8.block_dots_numpy(w, xq).astype(np.float32)  # exact: |isum| < 2**24
-    d = gather_rows(tiles.d, slice(None))
-    m = gather_rows(tiles.m, slice(None)) if has_m else None
+    d = int8.widen_scales(gather_rows(tiles.d, slice(None)))
+    m = int8.widen_scales(gather_rows(tiles.m, slice(None))) if has_m else None
     sx = xd * xsum.astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):  # edge scales: inf, as the kernel
         acc = np.zeros(dots.shape[:2], dtype=np.float32)
@@ -118,12 +132,15 @@ def _matmul_numpy(has_m: bool, width: Width, x: np.ndarray, tiles: IntTiles,
 
 
 def codec(qtype: QType, fields: Callable[[np.ndarray], Fields], offset: Offset,
-          dequantize: Callable[[np.ndarray], np.ndarray], width: Width) -> Codec:
+          dequantize: Callable[[np.ndarray], np.ndarray], width: Width,
+          half: bool = False) -> Codec:
     """The int8-path Codec of a format with sub-blocks of 32 (its float codec's dequantize);
-    width: how its quants are kept (a key of _KERNELS with the offset)."""
+    width: how its quants are kept (a key of _KERNELS with the offset); half: its scales (and
+    offsets) are GGUF's float16 values, kept as float16 (the K-quants' d * sc are not)."""
     has_m = offset is not Offset.NONE
     if (has_m, width) not in _KERNELS:
         raise AssertionError(f"no kernel for {qtype.name} kept as {width}")
-    return Codec(qtype, np.dtype(np.uint8), dequantize, partial(_repack, fields, offset, width),
+    return Codec(qtype, np.dtype(np.uint8), dequantize,
+                 partial(_repack, fields, offset, width, half),
                  partial(_unpack_rows, offset, width), partial(_matmul, has_m, width),
                  partial(_matmul_numpy, has_m, width))

@@ -62,21 +62,23 @@ CODEC = subblock.float_codec(QType.Q4_0, dequantize, repack, QK, subblock.Offset
 
 class IntTiles(NamedTuple):
     q: np.ndarray  # (n_tiles, nb * TILE_ROWS * 16) uint8 block tiles of GGUF's packed nibbles
-    d: np.ndarray  # (n_tiles, nb * TILE_ROWS) float32 block scales
+    d: np.ndarray  # (n_tiles, nb * TILE_ROWS) float16 block scales as GGUF stores them (bits)
 
 
 def int_repack(raw: np.ndarray) -> IntTiles:
-    """raw (N, row_bytes) uint8 -> IntTiles: half a byte per weight plus 4 bytes per block."""
-    d, _ = _fields(raw)
-    qs = np.ascontiguousarray(raw).view(BLOCK)["qs"]
-    return IntTiles(int8.to_block_tiles(qs.reshape(qs.shape[0], -1), HALF), to_tiles(d))
+    """raw (N, row_bytes) uint8 -> IntTiles: half a byte per weight plus 2 bytes per block
+    (GGUF's 4.5 bits a weight)."""
+    blocks = np.ascontiguousarray(raw).view(BLOCK)
+    qs = blocks["qs"]
+    return IntTiles(int8.to_block_tiles(qs.reshape(qs.shape[0], -1), HALF),
+                    to_tiles(blocks["d"].view(np.uint16)))
 
 
 def int_unpack_rows(tiles: IntTiles, ids: np.ndarray | slice,
                     out: np.ndarray | None = None) -> np.ndarray:
     """Rows `ids` of the dequantized matrix: (len(ids), K) float32 == dequantize(raw)[ids]."""
     q = int8.gather_nibble_rows(tiles.q, ids).view(np.int8) - OFFSET
-    d = gather_rows(tiles.d, ids)
+    d = int8.widen_scales(gather_rows(tiles.d, ids))
     return q8_0.values(d, q, np.empty(q.shape, dtype=np.float32) if out is None else out)
 
 
@@ -96,7 +98,7 @@ def int_matmul_numpy(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
     w = int8.gather_nibble_rows(tiles.q, slice(None))
     dots = int8.block_dots_numpy(w, xq) - 8 * xsum[:, None, :]  # (T, N padded, nb) exact
     dots = dots.astype(np.float32)  # exact: |isum - 8 xsum| < 2**24
-    d = gather_rows(tiles.d, slice(None))
+    d = int8.widen_scales(gather_rows(tiles.d, slice(None)))
     with np.errstate(over="ignore", invalid="ignore"):  # edge scales: inf, as the kernel
         acc = np.zeros(dots.shape[:2], dtype=np.float32)
         for b in range(d.shape[1]):

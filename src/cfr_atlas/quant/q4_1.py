@@ -82,23 +82,25 @@ CODEC = subblock.float_codec(QType.Q4_1, dequantize, repack, QK, subblock.Offset
 
 class IntTiles(NamedTuple):
     q: np.ndarray  # (n_tiles, nb * TILE_ROWS * 16) uint8 block tiles of GGUF's packed nibbles
-    d: np.ndarray  # (n_tiles, nb * TILE_ROWS) float32 block scales (tiles.py layout)
-    m: np.ndarray  # (n_tiles, nb * TILE_ROWS) float32 block minimums
+    d: np.ndarray  # (n_tiles, nb * TILE_ROWS) float16 block scales, their bits (uint16)
+    m: np.ndarray  # (n_tiles, nb * TILE_ROWS) float16 block minimums, their bits (uint16)
 
 
 def int_repack(raw: np.ndarray) -> IntTiles:
-    """raw (N, row_bytes) uint8 -> IntTiles: half a byte per weight plus 8 bytes per block."""
-    d, m, _ = _fields(raw)
-    qs = np.ascontiguousarray(raw).view(BLOCK)["qs"]
-    return IntTiles(int8.to_block_tiles(qs.reshape(qs.shape[0], -1), HALF), to_tiles(d),
-                    to_tiles(m))
+    """raw (N, row_bytes) uint8 -> IntTiles: half a byte per weight plus the block's float16
+    d and m as GGUF stores them (5 bits a weight)."""
+    blocks = np.ascontiguousarray(raw).view(BLOCK)
+    qs = blocks["qs"]
+    return IntTiles(int8.to_block_tiles(qs.reshape(qs.shape[0], -1), HALF),
+                    to_tiles(blocks["d"].view(np.uint16)),
+                    to_tiles(blocks["m"].view(np.uint16)))
 
 
 def int_unpack_rows(tiles: IntTiles, ids: np.ndarray | slice,
                     out: np.ndarray | None = None) -> np.ndarray:
     """Rows `ids` of the dequantized matrix: (len(ids), K) float32 == dequantize(raw)[ids]."""
     q = int8.gather_nibble_rows(tiles.q, ids)
-    d, m = gather_rows(tiles.d, ids), gather_rows(tiles.m, ids)
+    d, m = (int8.widen_scales(gather_rows(a, ids)) for a in (tiles.d, tiles.m))
     return _values(d, m, q, np.empty(q.shape, dtype=np.float32) if out is None else out)
 
 
@@ -118,7 +120,7 @@ def int_matmul_numpy(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
     w = int8.gather_nibble_rows(tiles.q, slice(None))
     dots = int8.block_dots_numpy(w, xq).astype(np.float32)  # exact: |isum| < 2**24
     sx = xd * xsum.astype(np.float32)  # (T, nb)
-    d, m = gather_rows(tiles.d, slice(None)), gather_rows(tiles.m, slice(None))
+    d, m = (int8.widen_scales(gather_rows(a, slice(None))) for a in (tiles.d, tiles.m))
     with np.errstate(over="ignore", invalid="ignore"):  # edge scales: inf, as the kernel
         acc = np.zeros(dots.shape[:2], dtype=np.float32)
         for b in range(d.shape[1]):

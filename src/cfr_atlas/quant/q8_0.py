@@ -70,19 +70,22 @@ CODEC = subblock.float_codec(QType.Q8_0, dequantize, repack, QK, subblock.Offset
 
 class IntTiles(NamedTuple):
     q: np.ndarray  # (n_tiles, nb * TILE_ROWS * QK) int8 block tiles (int8.py)
-    d: np.ndarray  # (n_tiles, nb * TILE_ROWS) float32 block scales (tiles.py layout)
+    d: np.ndarray  # (n_tiles, nb * TILE_ROWS) float16 block scales, their bits (tiles.py layout)
 
 
 def int_repack(raw: np.ndarray) -> IntTiles:
-    """raw (N, row_bytes) uint8 -> IntTiles: 1 byte per weight plus 4 bytes of scale per block."""
-    d, q = _fields(raw)
+    """raw (N, row_bytes) uint8 -> IntTiles: 1 byte per weight plus the block's float16 scale
+    as GGUF stores it (8.5 bits a weight)."""
+    _, q = _fields(raw)
+    d = np.ascontiguousarray(raw).view(BLOCK)["d"].view(np.uint16)
     return IntTiles(int8.to_block_tiles(q, QK), to_tiles(d))
 
 
 def int_unpack_rows(tiles: IntTiles, ids: np.ndarray | slice,
                     out: np.ndarray | None = None) -> np.ndarray:
     """Rows `ids` of the dequantized matrix: (len(ids), K) float32 == dequantize(raw)[ids]."""
-    q, d = int8.gather_block_rows(tiles.q, ids, QK), gather_rows(tiles.d, ids)
+    q = int8.gather_block_rows(tiles.q, ids, QK)
+    d = int8.widen_scales(gather_rows(tiles.d, ids))
     return values(d, q, np.empty(q.shape, dtype=np.float32) if out is None else out)
 
 
@@ -101,7 +104,7 @@ def int_matmul_numpy(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
     xq, xd, _ = int8.quantize_numpy(x)
     dots = int8.block_dots_numpy(int8.gather_block_rows(tiles.q, slice(None), QK), xq)
     dots = dots.astype(np.float32)  # exact: |isum| <= 32 * 128 * 127 < 2**24
-    d = gather_rows(tiles.d, slice(None))  # (N padded, nb)
+    d = int8.widen_scales(gather_rows(tiles.d, slice(None)))  # (N padded, nb)
     with np.errstate(over="ignore", invalid="ignore"):  # edge scales: inf, as the kernel
         acc = np.zeros(dots.shape[:2], dtype=np.float32)
         for b in range(d.shape[1]):

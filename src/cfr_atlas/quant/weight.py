@@ -25,12 +25,13 @@ CODECS: dict[QType, Codec] = {
     for c in (q8_0.CODEC, q4_0.CODEC, q4_1.CODEC, *q5.CODECS, *kquants.CODECS, *floats.CODECS)
 }
 # the sub-block formats whose sub-block is the activation block of 32 (int8_fields.py): fields,
-# offset, and how the quants are kept (int8_fields.Width: 8 bits, 4 packed two to a byte, or 5)
-INT8_FIELDS = {QType.Q5_0: (q5.q5_0_fields, Offset.NONE, Width(5, bias=16)),
-               QType.Q5_1: (q5.q5_1_fields, Offset.ADD, Width(5)),
-               QType.IQ4_NL: (q5.iq4_nl_fields, Offset.NONE, Width(8)),
-               QType.Q4_K: (kquants.q4_k_fields, Offset.SUBTRACT, Width(4)),
-               QType.Q5_K: (kquants.q5_k_fields, Offset.SUBTRACT, Width(5))}
+# offset, how the quants are kept (int8_fields.Width: 8 bits, 4 packed two to a byte, or 5), and
+# whether the scales are GGUF's float16 values (kept as float16)
+INT8_FIELDS = {QType.Q5_0: (q5.q5_0_fields, Offset.NONE, Width(5, bias=16), True),
+               QType.Q5_1: (q5.q5_1_fields, Offset.ADD, Width(5), True),
+               QType.IQ4_NL: (q5.iq4_nl_fields, Offset.NONE, Width(8), True),
+               QType.Q4_K: (kquants.q4_k_fields, Offset.SUBTRACT, Width(4), False),
+               QType.Q5_K: (kquants.q5_k_fields, Offset.SUBTRACT, Width(5), False)}
 # the K-quants with sub-blocks of 16 and no offset (int8_sub16.py: two scaled half-block dots
 # per activation block): their unpacker into d, sc, q. Q2_K (an offset per 16) keeps its float
 # codec under int8
@@ -38,8 +39,8 @@ INT8_SUB16 = {QType.Q6_K: kquants.q6_k_scaled, QType.Q3_K: kquants.q3_k_scaled}
 INT8_CODECS: dict[QType, Codec] = {
     **CODECS,
     **{c.qtype: c for c in (q8_0.INT8, q4_0.INT8, q4_1.INT8)},
-    **{qt: int8_fields.codec(qt, f, off, CODECS[qt].dequantize, width)
-       for qt, (f, off, width) in INT8_FIELDS.items()},
+    **{qt: int8_fields.codec(qt, f, off, CODECS[qt].dequantize, width, half)
+       for qt, (f, off, width, half) in INT8_FIELDS.items()},
     **{qt: int8_sub16.codec(qt, split, CODECS[qt].dequantize)
        for qt, split in INT8_SUB16.items()},
 }
