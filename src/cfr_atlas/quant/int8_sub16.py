@@ -194,9 +194,10 @@ def tile_kernel(isa: int = int8.ISA):
     def kernel(xq, xd, q, s, d, out):
         T, K = xq.shape
         N = out.shape[1]
-        for i in prange(q.shape[0]):
-            acc, acc_u = np.empty(R, dtype=np.float32), np.empty(R, dtype=np.float32)
-            isum, isum_u = np.empty(R, dtype=np.int32), np.empty(R, dtype=np.int32)
+        accs = np.empty((q.shape[0], 2, R), dtype=np.float32)
+        isums = np.empty((q.shape[0], 2, R), dtype=np.int32)
+        for i in prange(q.shape[0]):  # scratch allocated once per call (int8.tile_kernel)
+            acc, acc_u, isum, isum_u = accs[i, 0], accs[i, 1], isums[i, 0], isums[i, 1]
             n0 = i * R
             lanes = min(R, N - n0)
             for t in range(0, T - 1, 2):
