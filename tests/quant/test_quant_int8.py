@@ -132,7 +132,7 @@ def test_block_dots_are_exact_integers(qtype):
 
 @pytest.mark.parametrize("qtype", list(INT8_FORMATS))
 @pytest.mark.parametrize("shape", [(1, 32), (17, 64), (70, 96)])
-@pytest.mark.parametrize("t", [1, 2, 5])
+@pytest.mark.parametrize("t", [1, 2, 5, 7])
 def test_kernel_equals_twin(qtype, shape, t):
     w = _int8(qtype, quantized(qtype, *shape, seed=t), shape)
     x = _x(t, shape[1], seed=shape[0])
@@ -273,7 +273,7 @@ def test_portable_dots_equal_the_simd_dots(bits, term):
     d = to_tiles(rng.random((n, k // 32)).astype(np.float32))
     m = to_tiles(rng.standard_normal((n, k // 32)).astype(np.float32))
     kernels = [int8.tile_kernel(bits, term, isa=isa) for isa in int8.ISAS]
-    for t in (1, 2, 3):
+    for t in (1, 2, 3, 7):
         xq, xd, xsum = int8.quantize(_x(t, k, seed=t))
         got = [np.empty((t, n), dtype=np.float32) for _ in kernels]
         for kernel, out in zip(kernels, got, strict=True):

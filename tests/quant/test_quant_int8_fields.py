@@ -33,7 +33,7 @@ def test_the_formats_with_sub_blocks_of_32_have_an_integer_codec():
 
 @pytest.mark.parametrize("qtype", FORMATS)
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("t", [1, 2, 5])
+@pytest.mark.parametrize("t", [1, 2, 5, 7])
 def test_kernel_equals_twin(qtype, shape, t):
     w = _int8(qtype, quantized(qtype, *shape, seed=t), shape)
     x = _x(t, shape[1], seed=shape[0])
