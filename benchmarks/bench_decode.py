@@ -167,8 +167,8 @@ def gguf_weight_bytes(path) -> int:
 
 def stream_worker(spec: dict, ids: np.ndarray) -> dict:
     """The machine's read bandwidth with the engines' threads: a parallel pass loading one
-    8-byte word of every 64-byte line of a 1 GiB buffer (every line crosses from DRAM), best
-    of 7, in GB/s. A decode token streaming B bytes of weights cannot run faster than
+    8-byte word of every 64-byte line of a 1 GiB buffer (every line crosses from DRAM; --quick:
+    64 MiB, a smoke test), best of 7, in GB/s. A decode token streaming B bytes of weights cannot run faster than
     bandwidth / B."""
     import numba
 
@@ -183,7 +183,7 @@ def stream_worker(spec: dict, ids: np.ndarray) -> dict:
             out[p] = acc
         return out.sum()
 
-    buf = np.ones(1 << 27, dtype=np.uint64)  # 1 GiB, first touched here
+    buf = np.ones(spec["stream_bytes"] // 8, dtype=np.uint64)  # 1 GiB (--quick: 64 MiB)
     parts = 64 * spec["threads"]
     touch(buf, parts)
     best = min(_timed(touch, buf, parts) for _ in range(7))
@@ -472,8 +472,8 @@ def main(argv=None) -> int:
         ids = text_ids(src, max(max(a.prompts), a.contexts[-1] + a.decode_tokens), tmp)
         runs = []
         stream_spec = {"engine": "stream", "threads": a.threads, "ids": str(ids),
-                       "omp_wait_policy": None}
-        streams = [] if a.quick else [run_worker(stream_spec)["rows"]["stream GB/s"]]
+                       "omp_wait_policy": None, "stream_bytes": (64 if a.quick else 1024) << 20}
+        streams = [run_worker(stream_spec)["rows"]["stream GB/s"]]
         for spec in plans(a, files, ids):
             print(f"round {spec['round']}: {spec['format']} {NAMES[spec['engine']]}",
                   file=sys.stderr, flush=True)
@@ -482,7 +482,6 @@ def main(argv=None) -> int:
             print("  " + ", ".join(f"{k} {v:.1f}" for k, v in got["rows"].items()),
                   file=sys.stderr, flush=True)
             meta.setdefault(f"{spec['engine']}_info", got["info"])
-    if not a.quick:
         streams.append(run_worker(stream_spec)["rows"]["stream GB/s"])
     meta["stream_gbs"] = streams
     meta["loadavg_end"] = list(os.getloadavg())

@@ -58,6 +58,8 @@ def test_quick_run_prints_table_json_and_plot(bench, tmp_path, capsys):
     assert meta["threads"] == 2 and meta["quick"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert all(r["ours-int8_weight_bytes"] > 0 for r in rows)
+    assert len(meta["stream_gbs"]) == 2 and min(meta["stream_gbs"]) > 0
+    assert "Decode against memory bandwidth" in out and "| Q8_0 | decode @64 | " in out
 
 
 def test_weight_bytes_and_the_bandwidth_table(bench, tmp_path):
