@@ -84,3 +84,23 @@ def test_errors_carry_numbers():
         rms_norm_per_head(x[:, None, :], np.ones(4, dtype=np.float32), EPS)
     with pytest.raises(ConfigError, match="eps"):
         rms_norm(x, np.ones(8, dtype=np.float32), -1.0)
+
+
+def test_parallel_rows_equal_the_serial_kernel_and_the_twin():
+    """Above PARALLEL_ELEMENTS the rows are split between threads: every row is still the
+    same sequential loop, so the result is bitwise the serial kernel's and the twin's, and
+    a row alone gives the same bits as inside the batch."""
+    from cfr_atlas.ops.norm import PARALLEL_ELEMENTS, _rms_norm_parallel
+
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((PARALLEL_ELEMENTS // 640 + 7, 640)) * 3).astype(np.float32)
+    w = rng.standard_normal(640).astype(np.float32)
+    eps = np.float32(1e-6)
+    serial, twin, par = (np.empty_like(x) for _ in range(3))
+    _rms_norm_kernel(x, w, eps, serial)
+    rms_norm_numpy(x, w, eps, twin)
+    _rms_norm_parallel(x, w, eps, par)
+    np.testing.assert_array_equal(par, serial)
+    np.testing.assert_array_equal(par, twin)
+    np.testing.assert_array_equal(rms_norm(x, w, 1e-6), par)  # the dispatching entry point
+    np.testing.assert_array_equal(rms_norm(x[5:6], w, 1e-6)[0], par[5])
