@@ -139,14 +139,19 @@ def profile(model, ids: np.ndarray, context: int, tokens: int, rounds: int) -> d
     return out
 
 
+def _ms(x: float) -> str:
+    """Milliseconds with three decimals below 1 ms, so a small part never prints as 0.0."""
+    return f"{x:.1f}" if abs(x) >= 1 else f"{x:.3f}"
+
+
 def table(results: dict) -> str:
     lines = ["| context | path | ms / token | matmul | head | store + attention | rest | "
              "Python calls / token |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for context, modes in results.items():
         for mode, r in modes.items():
-            lines.append(f"| {context:,} | {mode} | {r['total_ms']:.1f} | {r['matmul_ms']:.1f} | "
-                         f"{r['head_ms']:.1f} | {r['store_attend_ms']:.1f} | {r['rest_ms']:.1f} | "
-                         f"{r['calls']:,.0f} |")
+            ms = " | ".join(_ms(r[k]) for k in ("total_ms", "matmul_ms", "head_ms",
+                                                    "store_attend_ms", "rest_ms"))
+            lines.append(f"| {context:,} | {mode} | {ms} | {r['calls']:,.0f} |")
         first = next(iter(modes))
         for other in list(modes)[1:]:  # each path against the first (the step, when there)
             a, b = modes[first], modes[other]
