@@ -26,10 +26,13 @@ CHUNKS = [6, 1, 1, 1, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 2, 1, 1]
 
 class RowsKv:
     """A regenerator holding every row written (what a page file or a recompute gives back);
-    with `maps`, it also records each `map_pages` call (the spill page file's learning)."""
+    with `maps`, it also records each `map_pages` call (the spill page file's learning) and
+    either maps nothing (maps=True: every page missing) or, with maps="pages", maps every
+    page as a page file does (K^T and V slabs in the storage dtype, rows past a page's end
+    zero, each page's checksum; `corrupt` (layer, head, page) gets a wrong one)."""
 
     def __init__(self, k, v, maps=False):
-        self.k, self.v, self.calls = k, v, []
+        self.k, self.v, self.calls, self.real, self.corrupt = k, v, [], maps == "pages", None
         if maps:
             self.map_pages = self._map_pages
 
@@ -38,13 +41,28 @@ class RowsKv:
         v_out[...] = self.v[key.layer, tokens.start:tokens.stop, key.kv_head]
 
     def _map_pages(self, layer, heads, lo, lens, need):
+        from cfr_atlas.atlas.page_sum import page_checksum
         from cfr_atlas.atlas.runtime import MappedPages
+        from cfr_atlas.atlas.storage import round_rows
 
         self.calls.append((layer, heads.tolist(), lo, lens.tolist(), need.tolist()))
         shape = need.shape
-        return MappedPages(np.zeros((0, D, P), self.dtype), np.zeros((0, P, self.dv), self.dtype),
-                           np.zeros(shape, np.int64), np.zeros(shape, np.uint32),
-                           np.ones(shape, np.bool_))
+        if not self.real:
+            return MappedPages(np.zeros((0, D, P), self.dtype),
+                               np.zeros((0, P, self.dv), self.dtype), np.zeros(shape, np.int64),
+                               np.zeros(shape, np.uint32), np.ones(shape, np.bool_))
+        k_sl = np.zeros((need.size, D, P), self.dtype)
+        v_sl = np.zeros((need.size, P, self.dv), self.dtype)
+        slot = np.arange(need.size, dtype=np.int64).reshape(shape)
+        expect = np.zeros(shape, np.uint32)
+        for i, h in enumerate(heads.tolist()):
+            for j, n in enumerate(lens.tolist()):
+                s, a = slot[i, j], (lo + j) * P
+                k_sl[s, :, :n] = round_rows(self.k[layer, a:a + n, h], self.storage).T
+                v_sl[s, :n] = round_rows(self.v[layer, a:a + n, h], self.storage)
+                expect[i, j] = page_checksum(k_sl[s], v_sl[s]) + (
+                    self.corrupt == (layer, h, lo + j))
+        return MappedPages(k_sl, v_sl, slot, expect, np.zeros(shape, np.bool_))
 
 
 def _atlas(dtype: str, budget_pages: int | None, latent: bool) -> Atlas:
@@ -75,8 +93,9 @@ SCORES = {
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("score", list(SCORES))
 @pytest.mark.parametrize("latent", [False, True], ids=["kv", "latent"])
-@pytest.mark.parametrize("budget_pages,maps", [(None, False), (7, False), (7, True)],
-                         ids=["unbounded", "budget", "budget+maps"])
+@pytest.mark.parametrize("budget_pages,maps", [(None, False), (7, False), (7, True),
+                                               (7, "pages")],
+                         ids=["unbounded", "budget", "budget+maps", "budget+mapped"])
 def test_write_attend_is_write_then_attend(dtype, score, latent, budget_pages, maps, monkeypatch):
     opts = SCORES[score]
     rng = np.random.default_rng(5)
@@ -88,11 +107,12 @@ def test_write_attend_is_write_then_attend(dtype, score, latent, budget_pages, m
     one, two = _atlas(dtype, budget_pages, latent), _atlas(dtype, budget_pages, latent)
     kv_one, kv_two = RowsKv(k, v, maps), RowsKv(k, v, maps)
     for kv in (kv_one, kv_two):
-        kv.dtype, kv.dv = StorageDtype(dtype).array_dtype, dv
+        kv.dtype, kv.dv, kv.storage = StorageDtype(dtype).array_dtype, dv, StorageDtype(dtype)
     policy = KeepAll() if budget_pages is None else KeepRecent(recent_tokens=2 * P)
-    compiled = []
-    real = fold.fold_hot
+    compiled, walks = [], []
+    real, real_walk = fold.fold_hot, fold.fold_walk
     monkeypatch.setattr(fold, "fold_hot", lambda *a: compiled.append(1) or real(*a))
+    monkeypatch.setattr(fold, "fold_walk", lambda *a: walks.append(1) or real_walk(*a))
     start = 0
     for T in CHUNKS:
         for layer in range(LAYERS):
@@ -108,7 +128,9 @@ def test_write_attend_is_write_then_attend(dtype, score, latent, budget_pages, m
             assert np.array_equal(got, want), (start, layer, len(compiled) > before)
             assert cache_state(one) == cache_state(two), (start, layer)
             assert _telemetry(one) == _telemetry(two), (start, layer)
-            assert kv_one.calls == kv_two.calls  # the mapping regenerator learnt the same
+            # the mapping regenerator learnt the same (a regenerator that cannot map the
+            # walk's pages is asked once by the walk and once more by the general path)
+            assert _once(kv_one.calls) == kv_two.calls
             check_accounting(one)
         start += T
     # chunks that grow a page without starting or overflowing it take the compiled walk when
@@ -116,10 +138,56 @@ def test_write_attend_is_write_then_attend(dtype, score, latent, budget_pages, m
     grows = sum(1 for s, T in zip(np.cumsum([0] + CHUNKS).tolist(), CHUNKS, strict=False)
                 if s % P and s % P + T <= P)
     if budget_pages is None:
-        assert len(compiled) == LAYERS * grows
+        assert len(compiled) == LAYERS * grows and not walks
+    elif maps == "pages":  # steps with misses take the mapped walk
+        assert len(walks) > 0 and len(compiled) + len(walks) > LAYERS * grows // 2
+        assert _telemetry(one)["total"]["bytes_mapped"] > 0
     else:
         assert 0 < len(compiled) < LAYERS * grows  # hot steps compiled, steps with misses not
-        assert _telemetry(one)["total"]["regenerations"] > 0
+        assert not walks and _telemetry(one)["total"]["regenerations"] > 0
+
+
+def _once(calls: list) -> list:
+    """`calls` with each run of equal consecutive calls counted once."""
+    return [c for i, c in enumerate(calls) if i == 0 or c != calls[i - 1]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_mapped_page_failing_its_check_raises_as_the_two_calls_do(dtype):
+    """The mapped walk checks every mapped page in the fold: a wrong checksum raises
+    CorruptPageError naming the page, after the write, and the hot cache and telemetry are
+    those of write_stored followed by the attend call that raised."""
+    from cfr_atlas.errors import CorruptPageError
+
+    rng = np.random.default_rng(9)
+    n = 4 * P + 1
+    k = rng.standard_normal((LAYERS, n + 1, H, D)).astype(np.float32)
+    v = rng.standard_normal((LAYERS, n + 1, H, D)).astype(np.float32)
+    q = rng.standard_normal((1, H, G, D)).astype(np.float32)
+    one, two = _atlas(dtype, 3, False), _atlas(dtype, 3, False)
+    kvs = RowsKv(k, v, "pages"), RowsKv(k, v, "pages")
+    policy = KeepRecent(recent_tokens=P)
+    for atlas, kv in zip((one, two), kvs, strict=True):
+        kv.dtype, kv.dv, kv.storage = StorageDtype(dtype).array_dtype, D, StorageDtype(dtype)
+        for t in range(n):  # one token at a time: page 0.. leave the hot cache as they age
+            k_st, v_st = atlas.stored_rows(t, k[0, t:t + 1], v[0, t:t + 1])
+            atlas.write_attend(kv, 0, t, k_st, v_st, q, policy)
+        kv.corrupt = (0, 1, 1)
+    k_st, v_st = one.stored_rows(n, k[0, n:n + 1], v[0, n:n + 1])
+    walks = []
+    real_walk = fold.fold_walk
+    fold.fold_walk = lambda *a: walks.append(1) or real_walk(*a)
+    try:
+        with pytest.raises(CorruptPageError, match="checksum mismatch"):
+            one.write_attend(kvs[0], 0, n, k_st, v_st, q, policy)
+    finally:
+        fold.fold_walk = real_walk
+    assert walks  # the mapped walk found it
+    two.write_stored(0, n, k_st, v_st, policy)
+    with pytest.raises(CorruptPageError, match="checksum mismatch"):
+        two.attend_heads(kvs[1], 0, range(H), q, n + 1, policy)
+    assert cache_state(one) == cache_state(two)
+    assert _telemetry(one) == _telemetry(two)
 
 
 def _two_atlases_five_rows_in(seed: int):

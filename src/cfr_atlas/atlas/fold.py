@@ -356,41 +356,71 @@ def fold_hot(q, qpos, slabs, slot, span, score, sinks, out):
     chosen here by those two functions' rules, so the result is bitwise theirs (the decode
     path of `Atlas.write_attend`: no Python per layer between the K/V write and the attention
     output)."""
+    scale, cap, alibi, win, fmt = score
+    _fold_hot_flat(q, qpos, *slabs, slot, *span, scale, cap, alibi, win, fmt, sinks, out,
+                   *_plan(q, slot, span, slabs, out))
+
+
+def fold_walk(q, qpos, slabs, walk, span, score, sinks, out):
+    """`fold_hot` for a walk whose pages are hot (SRC_HOT) or read in place from a
+    regenerator's mapping (SRC_MAP): walk = (src, slot, expect, bad) as `fold_pages` takes it
+    (a mapped page whose checksum differs from `expect` sets `bad`; the caller raises before
+    using out). The same kernels and plan as `fold_pages` + `merge_partitions`, so bitwise
+    theirs."""
+    src, slot, expect, bad = walk
+    scale, cap, alibi, win, fmt = score
+    _fold_walk_flat(q, qpos, *slabs, src, slot, expect, bad, *span, scale, cap, alibi, win,
+                    fmt, sinks, out, *_plan(q, slot, span, slabs, out))
+
+
+def _plan(q, slot, span, slabs, out) -> tuple:
+    """(walk items, fold in parallel, merge in parallel) by `fold_pages`' and
+    `merge_partitions`' rules."""
     n_tok, n_head, n_grp, _ = q.shape
     n_pg = slot.shape[1]
     lo, _, split = span
     n_part = (lo + n_pg + split - 1) // split
-    plan = (_walk_items(n_tok, n_head, n_pg, lo, split),
+    return (_walk_items(n_tok, n_head, n_pg, lo, split),
             _fold_in_parallel(n_tok, n_grp, n_head * n_pg, slabs[0].shape[2]),
             _merge_in_parallel((n_tok, n_head, n_part, n_grp, out.shape[3])))
-    scale, cap, alibi, win, fmt = score
-    _fold_hot_flat(q, qpos, *slabs, slot, *span, scale, cap, alibi, win, fmt, sinks, out, *plan)
 
 
 @njit(cache=True, nogil=True)
 def _fold_hot_flat(q, qpos, k_hot, v_hot, k_scr, v_scr, k_map, v_map, slot, lo, context, split,
                    scale, cap, alibi, win, fmt, sinks, out, items, fold_parallel,
                    merge_parallel):
-    """`_fold_hot` with its tuples spread into plain arguments: numba types a tuple argument
-    element by element in Python on every call (~10 us for these), an array or scalar in C."""
-    _fold_hot(q, qpos, (k_hot, v_hot, k_scr, v_scr, k_map, v_map), slot, (lo, context, split),
-              (scale, cap, alibi, win, fmt), sinks, out, (items, fold_parallel, merge_parallel))
+    """`_fold_walk` of an all-hot walk with its tuples spread into plain arguments: numba
+    types a tuple argument element by element in Python on every call (~10 us for these), an
+    array or scalar in C."""
+    n_head, n_pg = slot.shape
+    walk = (np.zeros((n_head, n_pg), dtype=np.int64), slot,  # src SRC_HOT
+            np.zeros((n_head, n_pg), dtype=np.uint32), np.zeros((n_head, n_pg), dtype=np.uint8))
+    _fold_walk(q, qpos, (k_hot, v_hot, k_scr, v_scr, k_map, v_map), walk, (lo, context, split),
+               (scale, cap, alibi, win, fmt), sinks, out, (items, fold_parallel, merge_parallel))
 
 
 @njit(cache=True, nogil=True)
-def _fold_hot(q, qpos, slabs, slot, span, score, sinks, out, plan):
-    """`fold_hot`'s kernel: the partition states allocated, then the planned kernels."""
+def _fold_walk_flat(q, qpos, k_hot, v_hot, k_scr, v_scr, k_map, v_map, src, slot, expect, bad,
+                    lo, context, split, scale, cap, alibi, win, fmt, sinks, out, items,
+                    fold_parallel, merge_parallel):
+    """`_fold_walk` with its tuples spread into plain arguments (see `_fold_hot_flat`)."""
+    _fold_walk(q, qpos, (k_hot, v_hot, k_scr, v_scr, k_map, v_map), (src, slot, expect, bad),
+               (lo, context, split), (scale, cap, alibi, win, fmt), sinks, out,
+               (items, fold_parallel, merge_parallel))
+
+
+@njit(cache=True, nogil=True)
+def _fold_walk(q, qpos, slabs, walk, span, score, sinks, out, plan):
+    """The kernel of `fold_hot` / `fold_walk`: the partition states allocated, then the planned
+    kernels over the whole walk."""
     n_tok, n_head, n_grp, _ = q.shape
-    n_pg = slot.shape[1]
+    n_pg = walk[1].shape[1]
     lo, context, split = span
     items, fold_parallel, merge_parallel = plan
     n_part = (lo + n_pg + split - 1) // split
     m = np.full((n_tok, n_head, n_part, n_grp), -np.inf, dtype=np.float64)
     l = np.zeros((n_tok, n_head, n_part, n_grp), dtype=np.float64)
     acc = np.zeros((n_tok, n_head, n_part, n_grp, out.shape[3]), dtype=np.float64)
-    src = np.zeros((n_head, n_pg), dtype=np.int64)  # SRC_HOT
-    walk = (src, slot, np.zeros((n_head, n_pg), dtype=np.uint32),
-            np.zeros((n_head, n_pg), dtype=np.uint8))
     # np.int64(0), not 0: a literal would make the span another type (another compile)
     full = (lo, context, split, np.int64(0), n_head * n_pg)
     if fold_parallel:

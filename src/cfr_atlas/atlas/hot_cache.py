@@ -382,17 +382,23 @@ class HotCache:
                             start // self.page_tokens, (tick, tick)) is not None
 
     def append_walk(self, layer: int, start: int, k_st: np.ndarray, v_st: np.ndarray,
-                    lo: int, ticks: tuple[int, int] | None) -> np.ndarray | None:
+                    lo: int, ticks: tuple[int, int] | None,
+                    misses: bool = False) -> np.ndarray | None:
         """The decode path in one call: when `append` applies to every head 0..H-1 of the rows
         (T, H, D) and every page lo.. of those heads is then resident and whole (a walk of the
         new context with no miss), append the rows (at ticks[0]), touch the walk's pages (at
         ticks[1], as a fold's `touch` would) and return the walk's slots (H, NP). Else change
         nothing and return None (the caller takes the general path). ticks None: only look
-        (the slots are returned, nothing is written)."""
-        return self._append(layer, _all_heads(k_st.shape[1]), start, k_st, v_st,
-                            lo, ticks)
+        (the slots are returned, nothing is written); ticks[1] -1: the rows are appended and
+        nothing is touched (the caller touches after a fold that can fail). misses=True: pages
+        before the one the rows grow may also be absent (slot -1; a resident one must still be
+        whole), and only the resident ones are touched (the walk of a regenerator that maps
+        the others)."""
+        return self._append(layer, all_heads(k_st.shape[1]), start, k_st, v_st,
+                            lo, ticks, misses)
 
-    def _append(self, layer, heads, start, k_st, v_st, lo, ticks) -> np.ndarray | None:
+    def _append(self, layer, heads, start, k_st, v_st, lo, ticks,
+                misses=False) -> np.ndarray | None:
         """`append` / `append_walk` for table rows `heads`: the walk's slots, or None."""
         lay = self.layers.get(layer)
         if lay is None:
@@ -405,7 +411,7 @@ class HotCache:
         write = ticks is not None
         tick_w, tick_a = ticks if write else (0, 0)
         if not _append_walk(lay.slot, lay.tokens, lay.last_use, self.k, self.v, heads, start,
-                            k_st, v_st, lo, tick_w, tick_a, slots, write):
+                            k_st, v_st, lo, tick_w, tick_a, slots, write, misses):
             return None
         if write:
             self._account(lay, T * len(heads) * self.row_bytes, 0)
@@ -444,19 +450,19 @@ class HotCache:
 
 
 @functools.lru_cache(maxsize=16)
-def _all_heads(n: int) -> np.ndarray:
+def all_heads(n: int) -> np.ndarray:
     """Table rows 0..n-1 (int64), one shared array per n (the kernels only read it)."""
     return np.arange(n, dtype=np.int64)
 
 
 @njit(cache=True, nogil=True)
 def _append_walk(slot, tokens, last_use, k, v, heads, start, k_st, v_st, lo, tick_w, tick_a,
-                 out, write):
+                 out, write, misses):
     """`HotCache._append`'s check and writes for table rows `heads` (row i of k_st, v_st is
     head heads[i]): True and out (H, NP) filled when the rows grow each head's resident page
-    in place and pages lo.. of those heads are all then resident and whole (and, if `write`,
-    done: rows written at tick_w, pages lo.. marked at tick_a); False, nothing written,
-    otherwise."""
+    in place and pages lo.. of those heads are all then resident and whole, or with `misses`
+    absent (slot -1) (and, if `write`, done: rows written at tick_w, the resident pages lo..
+    marked at tick_a unless it is -1); False, nothing written, otherwise."""
     n_t = k_st.shape[0]
     page_tokens = v.shape[1]
     page, off = divmod(start, page_tokens)
@@ -466,7 +472,11 @@ def _append_walk(slot, tokens, last_use, k, v, heads, start, k_st, v_st, lo, tic
         if slot[h, page] < 0 or tokens[h, page] != off:
             return False
         for p in range(lo, page):
-            if slot[h, p] < 0 or tokens[h, p] != page_tokens:
+            if slot[h, p] < 0:
+                if misses:
+                    continue
+                return False
+            if tokens[h, p] != page_tokens:
                 return False
     for i, h in enumerate(heads):
         for p in range(lo, page + 1):
@@ -481,6 +491,7 @@ def _append_walk(slot, tokens, last_use, k, v, heads, start, k_st, v_st, lo, tic
                 v[s, off + t, e] = v_st[t, i, e]
         tokens[h, page] = off + n_t
         last_use[h, page] = tick_w
-        for p in range(lo, page + 1):  # what the fold's `touch` then marks
-            last_use[h, p] = tick_a
+        for p in range(lo, page + 1):  # what the fold's `touch` then marks (resident pages)
+            if slot[h, p] >= 0 and tick_a >= 0:
+                last_use[h, p] = tick_a
     return True

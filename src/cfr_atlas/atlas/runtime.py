@@ -26,7 +26,7 @@ import numpy as np
 
 from cfr_atlas.atlas import fold
 from cfr_atlas.atlas.config import AtlasConfig
-from cfr_atlas.atlas.hot_cache import HotCache
+from cfr_atlas.atlas.hot_cache import HotCache, all_heads
 from cfr_atlas.atlas.pages import PageKey, first_page, page_count, page_spans
 from cfr_atlas.atlas.policy import KeepAll
 from cfr_atlas.atlas.storage import (
@@ -244,10 +244,11 @@ class Atlas:
         the hot cache, the telemetry and the regenerator's view are those of the two calls.
 
         The decode path: when the rows grow resident pages in place and every page the query
-        reads is then hot, the write, the recency marks, the fold and the merge are two
-        compiled calls (`HotCache.append_walk`, `fold.fold_hot`) instead of two walks in
-        Python; any other case (a new page, a miss, a checked-out argument) takes the two
-        calls themselves, which raise what they raise."""
+        reads is then hot, or read in place from the regenerator's mapping (the spill page
+        file), the write, the recency marks, the fold and the merge are two compiled calls
+        (`HotCache.append_walk`, `fold.fold_hot` / `fold.fold_walk`) instead of two walks in
+        Python; any other case (a new page, a page to regenerate, a checked-out argument)
+        takes the two calls themselves, which raise what they raise."""
         cfg = self.config
         fast = (isinstance(k_st, np.ndarray) and k_st.ndim == 3
                 and isinstance(v_st, np.ndarray) and isinstance(query, np.ndarray)
@@ -280,9 +281,9 @@ class Atlas:
         storage dtype as `stored_rows` returns them, query (T, H, G, D) float32 C-contiguous
         and finite, a valid scale (None: the config's) and window, the other score options at
         their defaults, out None or (T, H, G, Dv) float32. Returns the attention (out) when
-        the rows grow resident pages in place and every page the query reads is hot, exactly
-        what `write_attend` returns and records then; else None, with nothing changed (the
-        caller takes `write_attend`)."""
+        the rows grow resident pages in place and every page the query reads is hot or mapped,
+        exactly what `write_attend` returns and records then; else None, with nothing changed
+        (the caller takes `write_attend`)."""
         cfg = self.config
         T, H, G = query.shape[:3]
         if (k_st.shape != (T, H, cfg.head_dim) or k_st.dtype != cfg.dtype.array_dtype
@@ -300,22 +301,42 @@ class Atlas:
 
     def _walk_hot(self, backend, layer, start, k_st, v_st, q, args, out) -> np.ndarray | None:
         """The compiled walk of `write_attend` (valid arguments): append the rows, fold every
-        page lo.. from the hot slab; None, nothing changed, when that walk does not apply."""
+        page lo.. from the hot slab, or, with a regenerator that maps pages, from the hot slab
+        and the mapping; None, nothing changed, when that walk does not apply."""
         T = k_st.shape[0]
         context, P = start + T, self.config.page_tokens
         lo = first_page(context - T - args[3] + 1, P) if args[3] else 0
-        # a walk with no miss (a regenerator that maps pages is told so first; if it refuses,
-        # the two general calls run and raise what they raise, after the write)
-        try:
-            if not self._hot_walk_known(backend, layer, start, k_st, v_st, lo, context):
+        map_pages = getattr(backend, "map_pages", None)
+        if map_pages is None:
+            slots = self.cache.append_walk(layer, start, k_st, v_st, lo,
+                                           (self._tick + 1, self._tick + 2))
+            if slots is None:  # not all hot
                 return None
+            return self._fold_hot(q, context, lo, slots, args, out)
+        # A regenerator that maps pages: the walk applies when the rows grow resident pages in
+        # place and the regenerator maps every page that is not hot (it is told what the fold
+        # reads first: its read-ahead follows the folds); if it refuses, the two general calls
+        # run and raise what they raise, after the write.
+        slots = self.cache.append_walk(layer, start, k_st, v_st, lo, None, misses=True)
+        if slots is None:
+            return None
+        hot = slots >= 0
+        lens = np.minimum(P, context - np.arange(lo, lo + slots.shape[1]) * P)
+        try:
+            maps = map_pages(layer, all_heads(slots.shape[0]), lo, lens, ~hot)
         except AtlasError:
             return None
-        slots = self.cache.append_walk(layer, start, k_st, v_st, lo,
-                                       (self._tick + 1, self._tick + 2))
-        if slots is None:  # None only without a mapping regenerator: not all hot
+        if (maps.missing & ~hot).any():
             return None
-        return self._fold_hot(q, context, lo, slots, args, out)
+        if hot.all():
+            slots = self.cache.append_walk(layer, start, k_st, v_st, lo,
+                                           (self._tick + 1, self._tick + 2))
+            return self._fold_hot(q, context, lo, slots, args, out)
+        # the rows now, the recency marks after the fold (a page that fails its check leaves
+        # them as the general path's rollback does)
+        slots = self.cache.append_walk(layer, start, k_st, v_st, lo, (self._tick + 1, -1),
+                                       misses=True)
+        return self._fold_mapped(layer, q, context, lo, lens, slots, hot, maps, args, out)
 
     def write_rows(self, layer: int, start_token: int, k_rows: np.ndarray, v_rows: np.ndarray,
                    policy=None, kv_heads=None) -> tuple[np.ndarray, np.ndarray]:
@@ -472,24 +493,6 @@ class Atlas:
         sinks = _per_head("sink", sinks, n_head, n_grp, np.nan)
         return float(scale), cap, alibi, win, sinks
 
-    def _hot_walk_known(self, backend, layer, start, k_st, v_st, lo, context) -> bool:
-        """Whether `write_attend` may try its compiled walk. With a regenerator that maps pages:
-        only if `HotCache.append_walk` will take rows k_st, v_st of tokens start.. with pages
-        lo.. all hot, and then the regenerator learns what an all-hot fold tells it through
-        `map_pages` (it reads none of them: its read-ahead follows what folds read). Without
-        one: always (append_walk itself then says whether it applies)."""
-        map_pages = getattr(backend, "map_pages", None)
-        if map_pages is None:
-            return True
-        slots = self.cache.append_walk(layer, start, k_st, v_st, lo, None)
-        if slots is None:
-            return False
-        P = self.config.page_tokens
-        lens = np.minimum(P, context - np.arange(lo, lo + slots.shape[1]) * P)
-        map_pages(layer, np.arange(slots.shape[0], dtype=np.int64), lo, lens,
-                  np.zeros(slots.shape, dtype=np.bool_))
-        return True
-
     def _fold_hot(self, q, context, lo, slots, args, out=None) -> np.ndarray:
         """`write_attend`'s compiled path after `append_walk` wrote the rows and marked the
         walk: the counters of a write call and an all-hot attend call, the fold and merge."""
@@ -512,6 +515,40 @@ class Atlas:
         self._last = Counters(calls=1, pages_folded=pages, hot_hits=pages,
                               tokens_consumed=tokens, fold_seconds=seconds)
         self._total.add_hot_walk(self._last)
+        return out
+
+    def _fold_mapped(self, layer, q, context, lo, lens, slots, hot, maps, args,
+                     out=None) -> np.ndarray:
+        """`_fold_hot` for a walk whose pages not hot are read in place from the regenerator's
+        mapping (`maps`): one compiled fold and merge, each mapped page's checksum checked in
+        it and a mismatch raised before the result is used; the counters of a write call and
+        of the attend call the general path makes (mapped pages count as regenerated)."""
+        cfg = self.config
+        scale, cap, alibi, win, sinks = args
+        self._tick += 2
+        self._peak = max(self._peak, self.cache.resident_bytes)
+        self._scratch_used = False
+        n_head, n_pg = slots.shape
+        if out is None:
+            out = np.empty(q.shape[:3] + (cfg.out_dim,), dtype=np.float32)
+        qpos = np.arange(context - q.shape[0], context, dtype=np.int64)
+        src = np.where(hot, fold.SRC_HOT, fold.SRC_MAP).astype(np.int64)
+        slot = np.where(hot, slots, maps.slot).astype(np.int64)
+        bad = np.zeros(src.shape, dtype=np.uint8)
+        walk = (src, slot, np.ascontiguousarray(maps.expect), bad)
+        slabs = (self.cache.k, self.cache.v, self._scratch_k, self._scratch_v, maps.k, maps.v)
+        t0 = time.perf_counter()
+        fold.fold_walk(q, qpos, slabs, walk, (lo, context, cfg.split_pages),
+                       (np.float32(scale), np.float32(cap), alibi, win, self._fmt), sinks, out)
+        seconds = time.perf_counter() - t0
+        n_hot = int(hot.sum())
+        self._last = Counters(calls=1, pages_folded=n_head * n_pg, hot_hits=n_hot,
+                              tokens_consumed=int(lens.sum()) * n_head, fold_seconds=seconds)
+        self._total.calls += 1  # the write call
+        self._check_walk(layer, range(n_head), (lo + np.arange(n_pg)) * cfg.page_tokens, lens,
+                         src, bad)  # raises on a mismatch, as the attend call would
+        self.cache.touch(layer, all_heads(n_head), lo, hot, self._tick)
+        self._total.add(self._last)
         return out
 
     def _check_query(self, query, n_head: int) -> np.ndarray:
