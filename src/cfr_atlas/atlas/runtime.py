@@ -493,23 +493,28 @@ class Atlas:
         sinks = _per_head("sink", sinks, n_head, n_grp, np.nan)
         return float(scale), cap, alibi, win, sinks
 
-    def _fold_hot(self, q, context, lo, slots, args, out=None) -> np.ndarray:
-        """`write_attend`'s compiled path after `append_walk` wrote the rows and marked the
-        walk: the counters of a write call and an all-hot attend call, the fold and merge."""
-        cfg = self.config
+    def _begin_walk(self, q, context, args, out) -> tuple:
+        """What both compiled walks do first: the ticks of the write and attend calls, the
+        peak, no scratch used; returns out (allocated if None), the query positions, the score
+        options in kernel form and the sinks."""
         scale, cap, alibi, win, sinks = args
         self._tick += 2
         self._peak = max(self._peak, self.cache.resident_bytes)
         self._scratch_used = False
-        n_head, n_pg = slots.shape
-        n_tok = q.shape[0]
         if out is None:
-            out = np.empty(q.shape[:3] + (cfg.out_dim,), dtype=np.float32)
-        qpos = np.arange(context - n_tok, context, dtype=np.int64)
+            out = np.empty(q.shape[:3] + (self.config.out_dim,), dtype=np.float32)
+        qpos = np.arange(context - q.shape[0], context, dtype=np.int64)
+        return out, qpos, (np.float32(scale), np.float32(cap), alibi, win, self._fmt), sinks
+
+    def _fold_hot(self, q, context, lo, slots, args, out=None) -> np.ndarray:
+        """`write_attend`'s compiled path after `append_walk` wrote the rows and marked the
+        walk: the counters of a write call and an all-hot attend call, the fold and merge."""
+        cfg = self.config
+        out, qpos, score, sinks = self._begin_walk(q, context, args, out)
+        n_head, n_pg = slots.shape
         slabs = (self.cache.k, self.cache.v, self._scratch_k, self._scratch_v) + self._no_map
         t0 = time.perf_counter()
-        fold.fold_hot(q, qpos, slabs, slots, (lo, context, cfg.split_pages),
-                      (np.float32(scale), np.float32(cap), alibi, win, self._fmt), sinks, out)
+        fold.fold_hot(q, qpos, slabs, slots, (lo, context, cfg.split_pages), score, sinks, out)
         seconds = time.perf_counter() - t0
         pages, tokens = n_head * n_pg, (context - lo * cfg.page_tokens) * n_head
         self._last = Counters(calls=1, pages_folded=pages, hot_hits=pages,
@@ -524,22 +529,15 @@ class Atlas:
         it and a mismatch raised before the result is used; the counters of a write call and
         of the attend call the general path makes (mapped pages count as regenerated)."""
         cfg = self.config
-        scale, cap, alibi, win, sinks = args
-        self._tick += 2
-        self._peak = max(self._peak, self.cache.resident_bytes)
-        self._scratch_used = False
+        out, qpos, score, sinks = self._begin_walk(q, context, args, out)
         n_head, n_pg = slots.shape
-        if out is None:
-            out = np.empty(q.shape[:3] + (cfg.out_dim,), dtype=np.float32)
-        qpos = np.arange(context - q.shape[0], context, dtype=np.int64)
         src = np.where(hot, fold.SRC_HOT, fold.SRC_MAP).astype(np.int64)
         slot = np.where(hot, slots, maps.slot).astype(np.int64)
         bad = np.zeros(src.shape, dtype=np.uint8)
         walk = (src, slot, np.ascontiguousarray(maps.expect), bad)
         slabs = (self.cache.k, self.cache.v, self._scratch_k, self._scratch_v, maps.k, maps.v)
         t0 = time.perf_counter()
-        fold.fold_walk(q, qpos, slabs, walk, (lo, context, cfg.split_pages),
-                       (np.float32(scale), np.float32(cap), alibi, win, self._fmt), sinks, out)
+        fold.fold_walk(q, qpos, slabs, walk, (lo, context, cfg.split_pages), score, sinks, out)
         seconds = time.perf_counter() - t0
         n_hot = int(hot.sum())
         self._last = Counters(calls=1, pages_folded=n_head * n_pg, hot_hits=n_hot,
