@@ -23,9 +23,11 @@ cache before each timed token ("cold": `session.backend.evict_page_cache()` outs
 region). Decode speed is 1 / the median per-token time. A cold row also reports the effective
 read bandwidth (growth of the telemetry's `page_file_bytes_read` over the cold tokens'
 time), how much of the page file was still resident just before each token (mincore, mean),
-and, in the same process, a plain sequential read of the page file after evicting it (GB/s;
-three reads, one before the cold tokens and two after, the median: the disk's speed drifts),
-with the ratio.
+and, in the same process, a plain sequential read of the page file after evicting it, one
+right before each cold token (in the token's turn: this disk's sequential speed drifts 2-3x
+within seconds). "read / sequential" is the median over the cold tokens of each token's read
+bandwidth over its own sequential read's; beside it in brackets, the older aggregate (all cold
+bytes over all cold tokens' time, against the median read).
 Unbounded has no page file: its second run of tokens is the baseline for the cold rows. Every
 logit (the last prefill row, every decode step) is hashed and compared with the unbounded run;
 a difference, or K/V allocated above the budget, exits with status 1 after the tables.
@@ -120,34 +122,42 @@ def open_session(model, **kv):
     return model.session(**kv)
 
 
-def decode(model, s, logits, n: int, digest, evict=None, turns=None) -> tuple[np.ndarray, dict]:
+def decode(model, s, logits, n: int, digest, evict=None, turns=None,
+           before=None) -> tuple[np.ndarray, dict]:
     """`n` timed greedy tokens after `logits`, one turn each; with `evict`, the page file is
     evicted from the page cache before each token (outside the timed region) and bytes read
-    are counted."""
-    times, read, resident = [], 0, []
+    are counted. `before()` runs in each token's turn before the eviction (a sequential
+    read)."""
+    times, read, resident, each = [], 0, [], []
     for _ in range(n):
         with turns or Turns():
+            if before is not None:
+                before()
             if evict is not None:
                 evict()
                 resident.append(resident_fraction(s.backend.path))
-            before = s.telemetry_summary()["page_file_bytes_read"]
+            start = s.telemetry_summary()["page_file_bytes_read"]
             tok = np.array([int(np.argmax(logits))], dtype=np.int64)
             t0 = time.perf_counter()
             logits = model.net.forward_chunk(s, tok, all_logits=False)[0]
             times.append(time.perf_counter() - t0)
-        read += s.telemetry_summary()["page_file_bytes_read"] - before
+        each.append(s.telemetry_summary()["page_file_bytes_read"] - start)
+        read += each[-1]
         digest.update(logits.tobytes())
     out = {"tps": 1 / statistics.median(times), "tps_mean": n / sum(times),
            "seconds": sum(times), "digest": digest.hexdigest()}
     if evict is not None:
         out |= {"bytes_read": read, "gb_per_s": read / sum(times) / 1e9,
-                "resident_before": None if None in resident else float(np.mean(resident))}
+                "resident_before": None if None in resident else float(np.mean(resident)),
+                "token_seconds": times, "token_bytes": each}
     return logits, out
 
 
 def cold_decode(model, s, logits, n: int, unbounded: bool,
                 turns=None) -> tuple[np.ndarray, dict]:
-    """The cold phase: page file evicted before each token, between plain sequential reads."""
+    """The cold phase: page file evicted before each token, each token right after a plain
+    sequential read of the same file (evicted first): the token's read bandwidth over that
+    read's, per token; the median of those ratios is the row's ratio."""
     digest, turns = hashlib.sha256(), turns or Turns()
     if unbounded:  # no page file: the same tokens, the baseline for the cold rows
         return decode(model, s, logits, n, digest, turns=turns)
@@ -158,18 +168,19 @@ def cold_decode(model, s, logits, n: int, unbounded: bool,
         return logits, {"skipped": f"{kind} has no evict_page_cache() / path (cold rows need "
                                    "the memory-mapped page file)"}
     reads = []
-    with turns:
+
+    def read_file():  # the disk's speed drifts within seconds: one read beside each token
         evict()
-        reads.append(sequential_read(path))  # the disk's speed drifts: one read before, two after
-    logits, out = decode(model, s, logits, n, digest, evict, turns)
-    for _ in range(2):
-        with turns:
-            evict()
-            reads.append(sequential_read(path))
-    out["sequential"] = sorted(reads, key=lambda r: r["gb_per_s"])[1]  # the median
+        reads.append(sequential_read(path))
+
+    logits, out = decode(model, s, logits, n, digest, evict, turns, before=read_file)
+    out["sequential"] = sorted(reads, key=lambda r: r["gb_per_s"])[len(reads) // 2]  # median
     out["sequential_gb_per_s"] = [r["gb_per_s"] for r in reads]
-    if out["gb_per_s"] is not None:
-        out["read_ratio"] = out["gb_per_s"] / out["sequential"]["gb_per_s"]
+    out["read_ratios"] = [b / t / 1e9 / r["gb_per_s"] for b, t, r
+                          in zip(out["token_bytes"], out["token_seconds"], reads, strict=True)]
+    out["read_ratio"] = statistics.median(out["read_ratios"])
+    # the same bytes over all the cold tokens' time against the median read (the old ratio)
+    out["read_ratio_aggregate"] = out["gb_per_s"] / out["sequential"]["gb_per_s"]
     return logits, out
 
 
@@ -416,7 +427,8 @@ def _cold_cells(c: dict, unbounded: bool) -> str:
     seq = c["sequential"]
     gbs = "—" if c["gb_per_s"] is None else f"{c['gb_per_s']:.2f}"
     res = "—" if c["resident_before"] is None else f"{100 * c['resident_before']:.0f}%"
-    ratio = f"{c['read_ratio']:.2f}" if "read_ratio" in c else "—"
+    ratio = (f"{c['read_ratio']:.2f} ({c['read_ratio_aggregate']:.2f})" if "read_ratio" in c
+             else "—")
     return f"| cold | — | {_x(c['tps'], c['ratio'])} | {gbs} | {res} " \
            f"| {seq['gb_per_s']:.2f} ({_mib(seq['bytes'])}) | {ratio} | {bitwise} |"
 

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from cfr_atlas.atlas.page_sum import page_checksum, page_checksum_numpy, rows_delta
 from cfr_atlas.atlas.storage import StorageDtype, round_rows
 
-SHAPES = [(64, 256), (8, 4), (3, 5), (7, 3), (6, 4), (1, 1)]  # (head_dim, page_tokens)
+# (head_dim, page_tokens): K^T pages have head_dim rows and V pages page_tokens rows; the kernel
+# sums eight rows at a time and the rest one by one, so both counts cover both
+SHAPES = [(64, 256), (8, 4), (3, 5), (7, 3), (6, 4), (1, 1), (64, 64), (20, 12), (12, 21)]
 
 
 def _page(rng, dtype, D, P, n):
@@ -43,6 +45,24 @@ def test_kernel_twin_and_incremental_agree(dtype, shape):
     k2, v2 = k.copy(), v.copy()
     k2[:, cut:], v2[cut:] = 0, 0
     assert cleared == page_checksum_numpy(k2, v2) == int(page_checksum(k2, v2))
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_every_bit_pattern_sums_as_the_definition(itemsize, shape):
+    """Random words with every bit in play (sums wrap mod 2**32 many times over): the kernel
+    equals the NumPy twin, which computes the definition row by row."""
+    D, P = shape
+    rng = np.random.default_rng(D * 1000 + P + itemsize)
+    dt = np.uint16 if itemsize == 2 else np.uint32
+    top = np.iinfo(dt).max
+    k = rng.integers(0, top, (D, P), dtype=dt, endpoint=True)
+    v = rng.integers(0, top, (P, D), dtype=dt, endpoint=True)
+    if itemsize == 4:
+        k, v = k.view(np.float32), v.view(np.float32)
+    assert int(page_checksum(k, v)) == page_checksum_numpy(k, v)
+    full = np.full_like(k.view(dt), top).view(k.dtype), np.full_like(v.view(dt), top).view(v.dtype)
+    assert int(page_checksum(*full)) == page_checksum_numpy(*full)
 
 
 @settings(max_examples=60, deadline=None)

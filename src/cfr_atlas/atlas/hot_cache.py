@@ -193,6 +193,13 @@ class HotCache:
             self._journal.append(("touch", layer, heads, lo, before, 0, 0))
         used[heads] = np.where(hot, tick, before)
 
+    def touch_walk(self, layer: int, lo: int, hot: np.ndarray, tick: int) -> None:
+        """`touch` of table rows 0..H-1 (hot (H, NP)), the compiled walks' case, in one call."""
+        used = self.layers[layer].last_use[:hot.shape[0], lo:lo + hot.shape[1]]
+        if self._journal is not None:
+            self._journal.append(("touch", layer, all_heads(hot.shape[0]), lo, used.copy(), 0, 0))
+        np.copyto(used, tick, where=hot)
+
     def rollback(self) -> None:
         self._epoch += 1
         for entry in reversed(self._journal or []):

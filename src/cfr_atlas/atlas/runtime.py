@@ -519,7 +519,7 @@ class Atlas:
         pages, tokens = n_head * n_pg, (context - lo * cfg.page_tokens) * n_head
         self._last = Counters(calls=1, pages_folded=pages, hot_hits=pages,
                               tokens_consumed=tokens, fold_seconds=seconds)
-        self._total.add_hot_walk(self._last)
+        self._total.add_walk(self._last)
         return out
 
     def _fold_mapped(self, layer, q, context, lo, lens, slots, hot, maps, args,
@@ -531,22 +531,21 @@ class Atlas:
         cfg = self.config
         out, qpos, score, sinks = self._begin_walk(q, context, args, out)
         n_head, n_pg = slots.shape
-        src = np.where(hot, fold.SRC_HOT, fold.SRC_MAP).astype(np.int64)
-        slot = np.where(hot, slots, maps.slot).astype(np.int64)
-        bad = np.zeros(src.shape, dtype=np.uint8)
-        walk = (src, slot, np.ascontiguousarray(maps.expect), bad)
+        *walk, n_hot, mapped_tokens = fold.mapped_walk(slots, maps.slot, maps.expect, lens)
         slabs = (self.cache.k, self.cache.v, self._scratch_k, self._scratch_v, maps.k, maps.v)
         t0 = time.perf_counter()
         fold.fold_walk(q, qpos, slabs, walk, (lo, context, cfg.split_pages), score, sinks, out)
         seconds = time.perf_counter() - t0
-        n_hot = int(hot.sum())
-        self._last = Counters(calls=1, pages_folded=n_head * n_pg, hot_hits=n_hot,
-                              tokens_consumed=int(lens.sum()) * n_head, fold_seconds=seconds)
-        self._total.calls += 1  # the write call
-        self._check_walk(layer, range(n_head), (lo + np.arange(n_pg)) * cfg.page_tokens, lens,
-                         src, bad)  # raises on a mismatch, as the attend call would
-        self.cache.touch(layer, all_heads(n_head), lo, hot, self._tick)
-        self._total.add(self._last)
+        c = self._last = Counters(calls=1, pages_folded=n_head * n_pg, hot_hits=n_hot,
+                                  tokens_consumed=int(lens.sum()) * n_head, fold_seconds=seconds)
+        if walk[3].any():  # a mapped page failed its check: raise as the two calls would
+            self._total.calls += 1  # the write call
+            self._check_walk(layer, range(n_head), (lo + np.arange(n_pg)) * cfg.page_tokens,
+                             lens, walk[0], walk[3])
+        c.regenerations = n_head * n_pg - n_hot  # mapped pages count as regenerated
+        c.bytes_mapped = c.bytes_regenerated = mapped_tokens * cfg.row_bytes
+        self.cache.touch_walk(layer, lo, hot, self._tick)
+        self._total.add_walk(self._last)
         return out
 
     def _check_query(self, query, n_head: int) -> np.ndarray:

@@ -32,15 +32,19 @@ class Counters:
         for name in _COUNTER_NAMES:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
-    def add_hot_walk(self, walk: Counters) -> None:
+    def add_walk(self, walk: Counters) -> None:
         """`add` of a compiled walk's counters (calls, pages folded, hot hits, tokens, fold
-        seconds; every other counter of a walk is 0) plus the call of the write before it:
-        the per-layer decode path's bookkeeping without a loop over every field."""
+        seconds, and the mapped pages' regenerations and bytes; every other counter of a walk
+        is 0) plus the call of the write before it: the per-layer decode path's bookkeeping
+        without a loop over every field."""
         self.calls += walk.calls + 1
         self.pages_folded += walk.pages_folded
         self.hot_hits += walk.hot_hits
         self.tokens_consumed += walk.tokens_consumed
         self.fold_seconds += walk.fold_seconds
+        self.regenerations += walk.regenerations
+        self.bytes_mapped += walk.bytes_mapped
+        self.bytes_regenerated += walk.bytes_regenerated
 
     @property
     def hit_rate(self) -> float:

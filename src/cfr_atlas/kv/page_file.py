@@ -308,6 +308,10 @@ class SpillKv:
         self._ahead: dict[int, tuple[int, int, list]] = {}  # layer -> (pages, version, ranges)
         self._want_version = [0] * n_layers
         self._sparse = [False] * n_layers  # see _remember
+        self._remembered: list[tuple | None] = [None] * n_layers  # _remember's last arguments
+        # the layer whose one-row write just checked the file and its pages (`_write`): its
+        # fold, next, need not check them again (-1: none)
+        self._written = -1
         self._row_bytes = (head_dim + self.value_dim) * dtype.itemsize  # one token's K + V
         self.bytes_written = 0
         self.bytes_read = 0  # by `regenerate_page` (copies); the fold's reads are the Atlas's
@@ -334,11 +338,13 @@ class SpillKv:
             raise CapacityError(f"the page file holds {self.n_pages * self.page_tokens} tokens "
                                 f"(the context limit); token {pos0 + n - 1} is past them")
         self._check_file()
+        self._written = -1
         last = (pos0 + n - 1) // self.page_tokens
         if last >= self._reserved[layer]:
             self._reserve(layer, last + 1)
         if n == 1:
             self._fetch_write_target(layer, pos0 // self.page_tokens)
+            self._written = layer
         gap = _write_rows(self._k, self._v, self.tokens, self.sums, self._slots3[layer, :, 0],
                           pos0, k_st, v_st)
         if gap >= 0:
@@ -353,14 +359,16 @@ class SpillKv:
         cold layers after it. In a sparse layer (`MADV_RANDOM`), exactly the K and V pages of
         every head are asked for at once (the faults alone would read them one by one,
         synchronously)."""
-        slots = self._slots3[layer, :, page]
-        k_off = HDR_BYTES + int(slots[0]) * self.page_bytes
         if not self._sparse[layer]:
             # the first store of a decode step reaches a layer before its fold does: a cold
-            # page here starts the pulls (the store's fault would read 8 MiB around the
-            # page on its own, competing with them)
-            self._pull(layer, lambda: not cached(self._base + k_off))
-        elif not cached(self._base + k_off):
+            # layer (its oldest page the fold reads, as `_read_ahead` asks; the target page is
+            # one of those pages) starts the pulls here (the store's fault would read 8 MiB
+            # around the page on its own, competing with them), and the fold that follows
+            # does not ask again
+            self._pull(layer, lambda: self._cold(layer))
+            return
+        slots = self._slots3[layer, :, page]
+        if not cached(self._base + HDR_BYTES + int(slots[0]) * self.page_bytes):
             _advise(self.fd, [r for s in slots.tolist() for r in self._page_ranges(s, 1)])
 
     def allocations(self) -> dict[str, int]:
@@ -408,7 +416,9 @@ class SpillKv:
                   need: np.ndarray) -> MappedPages:
         """Pages lo.. of `heads` (lens[i] rows each) where `need` (H, NP) is set, readable in
         place from the mapping; pages not held with exactly those rows are `missing`."""
-        self._check_file()
+        written, self._written = self._written, -1
+        if written != layer:  # else the write just before this fold checked the file
+            self._check_file()
         hi = lo + len(lens)
         every = heads.tobytes() == self._all_heads_bytes  # every head, in order
         if not (0 <= layer < self.n_layers and hi <= self.n_pages and (every or (
@@ -423,7 +433,7 @@ class SpillKv:
             slot, tokens = self._slots3[layer, heads, lo:hi], self._tokens3[layer, heads, lo:hi]
             sums = self._sums3[layer, heads, lo:hi]
         self._remember(layer, heads, lo, hi, need)
-        self._read_ahead(layer)
+        self._read_ahead(layer, pulled=written == layer)
         return MappedPages(self._k, self._v, slot, sums, need & (tokens != lens))
 
     def regenerate_page(self, key: PageKey, tokens: range, k_out: np.ndarray,
@@ -450,7 +460,12 @@ class SpillKv:
                   need: np.ndarray) -> None:
         """What this fold of `layer` reads from the file (`need`, pages lo..hi of `heads`):
         its next read-ahead asks for those pages only (hot ones and those before a sliding
-        window are left on the disk)."""
+        window are left on the disk). A call with the arguments of the layer's last call
+        changes nothing (the decode steps' usual case), so it returns at once."""
+        same = (heads.tobytes(), lo, hi, need.tobytes())
+        if self._remembered[layer] == same:
+            return
+        self._remembered[layer] = same
         want = self._want[layer, heads]
         new = np.zeros_like(want)
         new[:, lo:hi] = need
@@ -479,15 +494,16 @@ class SpillKv:
             except (OSError, ValueError):
                 return  # a hint
 
-    def _read_ahead(self, layer: int) -> None:
+    def _read_ahead(self, layer: int, pulled: bool = False) -> None:
         """Before `layer`'s fold: pages not cached are read ahead. A dense layer found cold
         starts `_Puller` on it and on every cold dense layer after it; the fold then waits for
         this layer's pages (it would otherwise fault on them itself, a second stream at the
         disk). Sparse layers: hints for this layer's and the next READ_AHEAD_LAYERS layers'
         needed pages (the last layers' wrap to the first of the next token). The oldest page
         of a layer (its first range) stands for all of it: the page cache evicts the oldest
-        first."""
-        if not self._sparse[layer]:
+        first. `pulled`: the one-row write just before this fold saw to this layer's pages
+        (`_fetch_write_target`)."""
+        if not (self._sparse[layer] or pulled):
             self._pull(layer, lambda: self._cold(layer))
         for step in range(READ_AHEAD_LAYERS + 1):
             ahead = (layer + step) % self.n_layers
