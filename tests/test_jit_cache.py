@@ -1,10 +1,10 @@
-"""jit_cache.py: processes take turns at numba's kernel cache. A compile in another process
-waits while this one holds the lock; a lock held too long is given up, not waited on forever."""
+"""jit_cache.py: processes take turns at numba's kernel cache files. A save or load waits while
+another holds the lock of that cache index, and goes on once it is released; a lock held too
+long is given up, not waited on forever; kernels still compile, save and load."""
 
 from __future__ import annotations
 
 import os
-import queue
 import subprocess
 import sys
 import textwrap
@@ -12,75 +12,82 @@ import threading
 import time
 
 import pytest
+from numba.core import caching
 
 from cfr_atlas import jit_cache
 
 fcntl = pytest.importorskip("fcntl")
 
 
-def test_importing_the_package_installs_one_lock():
+def test_importing_the_package_wraps_save_and_load_once():
     import cfr_atlas  # noqa: F401
 
-    lock = jit_cache.install()
-    assert lock is jit_cache.install() is jit_cache._installed[0]
-    assert lock.path == jit_cache.lock_path() and lock.path.parent.is_dir()
+    assert jit_cache.install() and jit_cache.install()
+    for name in ("save", "load"):
+        method = getattr(caching.IndexDataCacheFile, name)
+        assert method.cfr_atlas_locked
+        assert not getattr(method.__wrapped__, "cfr_atlas_locked", False)  # wrapped once
 
 
-def test_a_lock_held_elsewhere_is_waited_for_then_given_up(tmp_path, capsys):
-    path = tmp_path / "cache.lock"
-    first, second = jit_cache.CacheLock(path), jit_cache.CacheLock(path, wait_s=0.3)
-    first.on_start(None)
-    first.on_start(None)  # nested (a callee's compile): still one flock
-    assert first.acquired == 1
-    t0 = time.monotonic()
-    second.on_start(None)  # another open of the file: flock conflicts, as another process's
-    assert time.monotonic() - t0 >= 0.3 and second.acquired == 0
-    assert "compiling without it" in capsys.readouterr().err
-    second.on_end(None)
-    first.on_end(None)
-    first.on_end(None)  # depth 0: released
-    second.on_start(None)
-    assert second.acquired == 1
-    second.on_end(None)
+def _hold(path):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
 
 
-def test_another_process_compiles_only_when_the_lock_is_free(tmp_path):
-    """A child compiling a fresh cached kernel blocks while this process holds the lock file,
-    and finishes once it is released."""
+def test_a_save_waits_for_the_lock_of_its_index(tmp_path):
+    cache = caching.IndexDataCacheFile(str(tmp_path), "kernel", ("stamp", 1))
+    fd = _hold(cache._index_path + ".lock")  # another process's, as flock sees another open
+    done = threading.Event()
+    saver = threading.Thread(target=lambda: (cache.save("key", b"machine code"), done.set()))
+    saver.start()
+    try:
+        assert not done.wait(1.0)  # blocked on the lock
+    finally:
+        os.close(fd)
+    assert done.wait(30)
+    saver.join()
+    assert cache.load("key") == b"machine code"
+
+
+def test_a_lock_held_too_long_is_given_up(tmp_path, capsys):
+    path = str(tmp_path / "x.lock")
+    fd = _hold(path)
+    try:
+        t0 = time.monotonic()
+        assert jit_cache.lock_fd(path, wait_s=0.3) == -1
+        assert time.monotonic() - t0 >= 0.3
+        assert "using numba's cache without it" in capsys.readouterr().err
+    finally:
+        os.close(fd)
+    got = jit_cache.lock_fd(path, wait_s=0.3)
+    assert got >= 0
+    os.close(got)
+
+
+def test_two_processes_compiling_one_function_both_get_their_kernels(tmp_path):
+    """Two processes compile different signatures of one cached function at once, then a
+    third loads both from the cache: each signature gives its own result."""
     (tmp_path / "tiny_kernel.py").write_text(textwrap.dedent("""
         from numba import njit
 
         @njit(cache=True)
-        def plus_one(x):
-            return x + 1
+        def twice(x):
+            return x + x
     """))
     child = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(tmp_path)!r})
-        import cfr_atlas
-        print("ready", flush=True)
-        sys.stdin.readline()
-        import tiny_kernel
-        print("done", tiny_kernel.plus_one(41), flush=True)
+        import cfr_atlas, tiny_kernel
+        arg = {{"int": 21, "float": 21.5, "complex": 1j}}[sys.argv[1]]
+        print(tiny_kernel.twice(arg), flush=True)
     """)
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
-    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x.strip()) for x in proc.stdout],
-                     daemon=True).start()
-    try:
-        assert lines.get(timeout=120) == "ready"
-        fd = os.open(jit_cache.lock_path(), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            with pytest.raises(queue.Empty):
-                lines.get(timeout=4)  # a tiny compile takes well under a second here
-        finally:
-            os.close(fd)  # releases the lock
-        assert lines.get(timeout=120) == "done 42"
-    finally:
-        proc.kill()
-        proc.wait()
+    procs = [subprocess.Popen([sys.executable, "-c", child, kind], stdout=subprocess.PIPE,
+                              text=True, env=env) for kind in ("int", "float", "complex")]
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert outs == ["42", "43.0", "2j"]
+    again = [subprocess.run([sys.executable, "-c", child, kind], capture_output=True, text=True,
+                            env=env, timeout=300).stdout.strip()
+             for kind in ("int", "float", "complex")]
+    assert again == outs

@@ -1,121 +1,88 @@
-"""Processes take turns at numba's on-disk kernel cache.
+"""Processes take turns at numba's on-disk kernel cache files.
 
-numba's cache (`cache=True`) is not safe when two processes compile kernels of one module at
-the same time (numba issue #4807, open): each reads the module's cache index, adds its new
-kernel under the first free file number and writes the index back, so two processes can give
-two different kernels the same data file, and a later run loads one kernel's machine code for
-the other's signature and crashes (a segmentation fault, seen here with benchmark workers that
+numba's cache (`cache=True`) is not safe when two processes save kernels of one function at
+the same time (numba issue #4807, open): each reads the function's cache index, files its new
+kernel under the first free data-file number and writes the index back, so two processes can
+file two kernels under one number, and a later run loads one kernel's machine code for the
+other's signature and crashes (a segmentation fault, seen here with benchmark workers that
 compiled side by side). That happens on a first run after install or upgrade, when a server and
 a CLI, or several workers, start together.
 
-`install()` (done when `cfr_atlas` is imported) registers a listener on numba's in-process
-compiler lock, which numba takes whenever it compiles a kernel or loads one from the cache
-(never on a call of a kernel already loaded). While any thread of this process holds that
-lock, the process holds an exclusive `flock` on one lock file per installed package, so at
-most one process at a time reads or writes the cache. A process that cannot have the lock
-within `WAIT_S` (another stuck mid-compile) goes on without it, after saying so. Without
-`fcntl` (Windows) nothing is locked.
+`install()` (done when `cfr_atlas` is imported) wraps numba's `IndexDataCacheFile.save` and
+`.load` (read the index, then write or read a data file) in an exclusive `flock` on a lock
+file beside the index (`<index>.lock`), so one process at a time reads or changes a function's
+cache entries. Compiling is not serialized: only these few milliseconds of file work are. A
+process that cannot have a lock within `WAIT_S` (another stuck mid-save) goes on without it,
+after saying so. Without `fcntl` (Windows), or where the lock file cannot be created (a
+read-only cache), nothing is locked.
 """
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import os
 import sys
-import threading
 import time
-from pathlib import Path
 
-from numba.core import event
+from numba.core import caching
 
 try:
     import fcntl
 except ImportError:  # Windows
     fcntl = None
 
-WAIT_S = 600.0  # a compile of the largest kernel takes about a minute on a slow machine
-POLL_S = 0.05
+WAIT_S = 60.0  # a save or load takes milliseconds; a minute means a stuck process
+POLL_S = 0.01
 
 
-def lock_path() -> Path:
-    """The lock file: in the package's `__pycache__` (where numba keeps its cache) when that is
-    writable, else in the user cache directory, named after the package's path."""
-    package = Path(__file__).resolve().parent
-    here = package / "__pycache__"
+def lock_fd(path: str, wait_s: float = WAIT_S) -> int:
+    """An open descriptor of lock file `path` holding its exclusive flock, or -1 (no lock file
+    possible, or not had within wait_s: then a message says so)."""
     try:
-        here.mkdir(exist_ok=True)
-        if os.access(here, os.W_OK):
-            return here / "numba-cache.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError:
-        pass
-    import platformdirs
-
-    tag = hashlib.sha256(str(package).encode()).hexdigest()[:16]
-    return Path(platformdirs.user_cache_dir("cfr-atlas")) / f"numba-cache-{tag}.lock"
-
-
-class CacheLock(event.Listener):
-    """Holds the lock file's flock while this process is inside numba's compiler lock."""
-
-    def __init__(self, path: Path, wait_s: float = WAIT_S):
-        self.path, self.wait_s = path, wait_s
-        self.acquired = 0  # times the flock was taken (tests)
-        self._depth = 0
-        self._fd = -1
-        self._mutex = threading.Lock()
-
-    def on_start(self, ev) -> None:
-        # under the mutex, so another thread's nested start waits until the flock is held
-        with self._mutex:
-            self._depth += 1
-            if self._depth == 1:
-                self._acquire()
-
-    def on_end(self, ev) -> None:
-        with self._mutex:
-            self._depth -= 1
-            if self._depth == 0:
-                self._release()
-
-    def _acquire(self) -> None:
+        return -1
+    deadline = time.monotonic() + wait_s
+    while True:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError:
-            return  # no lock file: numba's cache as it is
-        deadline = time.monotonic() + self.wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                print(f"cfr-atlas: another process has held {path} for {wait_s:.0f} s; "
+                      "using numba's cache without it", file=sys.stderr)
                 break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    print(f"cfr-atlas: another process has held {self.path} for "
-                          f"{self.wait_s:.0f} s; compiling without it", file=sys.stderr)
-                    os.close(fd)
-                    return
-                time.sleep(POLL_S)
-            except OSError:
-                os.close(fd)
-                return
-        self._fd = fd
-        self.acquired += 1
-
-    def _release(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)  # closing drops the flock
+            time.sleep(POLL_S)
+        except OSError:
+            break
+    os.close(fd)
+    return -1
 
 
-_installed: list[CacheLock] = []
+def _locked(method):
+    """`method` of an IndexDataCacheFile, run holding the flock of its index's lock file."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        index = getattr(self, "_index_path", None)
+        fd = -1 if index is None else lock_fd(index + ".lock")
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if fd >= 0:
+                os.close(fd)  # closing drops the flock
+
+    run.cfr_atlas_locked = True
+    return run
 
 
-def install() -> CacheLock | None:
-    """Register the process's `CacheLock` (once); None without fcntl."""
+def install() -> bool:
+    """Wrap numba's cache file `save` and `load` (once); False without fcntl."""
     if fcntl is None:
-        return None
-    if not _installed:
-        lock = CacheLock(lock_path())
-        event.register("numba:compiler_lock", lock)
-        _installed.append(lock)
-    return _installed[0]
+        return False
+    cls = caching.IndexDataCacheFile
+    for name in ("save", "load"):
+        method = getattr(cls, name)
+        if not getattr(method, "cfr_atlas_locked", False):
+            setattr(cls, name, _locked(method))
+    return True

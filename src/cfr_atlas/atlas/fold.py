@@ -29,9 +29,9 @@ Pages come from three slabs of one layout (K^T (S, D, P), V (S, P, D), storage d
 cache (SRC_HOT), regeneration scratch (SRC_SCRATCH), and a regenerator's memory-mapped pages
 (SRC_MAP, e.g. the page file in the OS page cache, read in place). A mapped page is verified in
 the same kernel: the work item that reads it last computes its checksum (page_sum.py) right
-after folding it, from L1/L2, and flags a mismatch in `bad`; the caller raises before the
-result is used. 16-bit elements are read directly (`to_f32`), never widened into a copy of
-the page.
+after folding it (8-15% of the fold: benchmarks/bench_check.py) and flags a mismatch in
+`bad`; the caller raises before the result is used. 16-bit elements are read directly
+(`to_f32`), never widened into a copy of the page.
 
 Each numba kernel has a NumPy twin (`fold_pages_numpy`, `merge_partitions_numpy`) with the same
 signature, used by the tests. This module holds no cache or policy logic.
@@ -231,7 +231,7 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state):
         for g in range(n_grp):
             for e in range(dv):
                 acc[t, h, part, g, e] += np.float64(ag[g, e])
-        # a mapped page is verified by its last reader, right after folding it (from L1/L2)
+        # a mapped page is verified by its last reader, right after folding it
         if src[h, i] == SRC_MAP and _last_reader(t, qpos, window, start + n_valid - 1):
             if page_checksum(kf, vf) != expect[h, i]:
                 bad[h, i] = 1

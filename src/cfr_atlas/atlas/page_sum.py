@@ -18,7 +18,7 @@ words of one V row). It is no defence against a forger with write access to this
 files (who could equally rewrite its memory).
 
 Cost: about two vectorized 32-bit adds per word and a multiply per eight rows (`_block_sum`);
-the fold checks a page right after folding it, from L1/L2 (benchmarks/bench_check.py measures
+the fold checks a page right after folding it (benchmarks/bench_check.py measures
 what that costs the fold). Linear in the elements, so the page file keeps each page's
 checksum current as rows are appended or cleared (`row_delta`) without reading it back.
 This module holds no page file or fold logic.
