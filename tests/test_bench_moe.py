@@ -4,19 +4,11 @@ resident; prints the tables and exits 0 only if every row is bitwise exact."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_moe.py"
 
 
-def test_quick_run_prints_table_and_every_row_is_exact(tmp_path, capsys):
-    sys.path.insert(0, str(BENCH.parent))
-    spec = importlib.util.spec_from_file_location("bench_moe", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_quick_run_prints_table_and_every_row_is_exact(load_benchmark, tmp_path, capsys):
+    bench = load_benchmark("bench_moe")
     out_json = tmp_path / "rows.json"
     assert bench.main(["--quick", "--json", str(out_json), "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out

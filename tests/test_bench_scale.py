@@ -5,17 +5,12 @@ prefix maps it from Redis."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scale.py"
 
 
-def test_quick_run_prints_tables_json_and_plot(tiny_llama, redis_db, tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_scale", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_quick_run_prints_tables_json_and_plot(load_benchmark, tiny_llama, redis_db, tmp_path,
+                                               capsys):
+    bench = load_benchmark("bench_scale")
     out_json, out_png = tmp_path / "scale.json", tmp_path / "scale.png"
     argv = ["--quick", "--model", str(tiny_llama), "--redis", redis_db.url,
             "--json", str(out_json), "--plot", str(out_png)]

@@ -4,17 +4,11 @@ JSON rows and the plot."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_serve.py"
 
 
-def test_quick_run_prints_table_json_and_plot(tiny_llama, tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_serve", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_quick_run_prints_table_json_and_plot(load_benchmark, tiny_llama, tmp_path, capsys):
+    bench = load_benchmark("bench_serve")
     out_json, out_png = tmp_path / "rows.json", tmp_path / "plot.png"
     argv = ["--model", str(tiny_llama), "--clients", "1,2", "--tokens", "6",
             "--json", str(out_json), "--plot", str(out_png), "--in-process"]

@@ -4,17 +4,11 @@ is bitwise exact; sparse rows regenerate fewer pages than dense and skip the res
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sparse.py"
 
 
-def test_quick_run_is_exact_and_sparse_rows_read_less(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_sparse", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_quick_run_is_exact_and_sparse_rows_read_less(load_benchmark, tmp_path, capsys):
+    bench = load_benchmark("bench_sparse")
     out_json = tmp_path / "rows.json"
     assert bench.main(["--quick", "--json", str(out_json)]) == 0
     rows = json.loads(out_json.read_text())

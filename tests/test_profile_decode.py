@@ -6,24 +6,14 @@ Checks the output's shape and the call counts, never the speed."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 
 from cfr_atlas.atlas.hot_cache import HotCache
 from cfr_atlas.testing import write_tiny_gguf
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
-
-def test_profile_prints_every_path(tmp_path, capsys):
-    sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("profile_decode",
-                                                  BENCHMARKS / "profile_decode.py")
-    prof = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prof)
+def test_profile_prints_every_path(load_benchmark, tmp_path, capsys):
+    prof = load_benchmark("profile_decode")
     compiled = HotCache.append_walk
     model = write_tiny_gguf(tmp_path / "tiny.gguf", qtype="Q4_1")
     assert prof.main(["--model", str(model), "--contexts", "5,40", "--tokens", "2",
@@ -41,12 +31,8 @@ def test_profile_prints_every_path(tmp_path, capsys):
             assert all(float(x) > 0 for x in rows[i + j][2:7])  # products, head, attention
 
 
-def test_the_model_keeps_its_decode_step(tmp_path):
-    sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("profile_decode2",
-                                                  BENCHMARKS / "profile_decode.py")
-    prof = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prof)
+def test_the_model_keeps_its_decode_step(load_benchmark, tmp_path):
+    prof = load_benchmark("profile_decode", "profile_decode2")
     from cfr_atlas.engine import load_model
 
     model = load_model(write_tiny_gguf(tmp_path / "tiny.gguf", qtype="Q8_0"))

@@ -3,22 +3,15 @@ that is not bitwise equal to the all-hot fold is reported with exit status 1."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_fold.py"
 TINY = ["--context", "100", "--page", "8", "--head-dim", "8", "--repeats", "1"]
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_fold", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_benchmark):
+    return load_benchmark("bench_fold")
 
 
 def test_tiny_run_prints_one_table(bench, capsys):
