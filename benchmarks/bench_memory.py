@@ -15,6 +15,12 @@ full K/V at the context limit (context_limit x kv_bytes_per_token(storage itemsi
 smallest budget a session accepts: the sum of `fixed_kv_bytes` for its parameters), or a size
 (`64MiB`). The budget's bytes are computed here, not parsed by the session.
 
+Before the workers of a context start, the driver runs each of their budgets once on a short
+prompt (`PREPARE_TOKENS`), one process after another, so the model's tile cache file
+(engine.load_model's `tile_cache`) exists and numba's kernel cache holds every kernel the
+workers call: each timed worker then maps the same tiles and loads its kernels instead of the
+first worker compiling them for the others (which left that worker with 272 MiB of RssAnon at
+load against 126-137 MiB, the compiler's heap, and a process unlike the others).
 The worker loads the model, compiles kernels on a short warm-up sequence it then closes, and
 reads RssAnon / RssFile / RssShmem from /proc/self/status after load, after prefill (the real
 text up to the context), after `--decode-tokens` timed greedy tokens with the page file in
@@ -321,6 +327,18 @@ def run_ring(specs: list[dict], gap_s: float = 0.0) -> list[dict]:
     return results
 
 
+PREPARE_TOKENS = 600  # three 256-token pages: hot, mapped and regenerated pages all occur
+
+
+def prepare(specs: list[dict]) -> None:
+    """Run each spec once on a `PREPARE_TOKENS` prompt with two decode tokens, each in its own
+    process, one after another (`run_worker`): the tile file is written and every kernel the
+    timed workers call is compiled into numba's cache before they start."""
+    for spec in specs:
+        context = min(spec["context"], PREPARE_TOKENS)
+        run_worker(spec | {"context": context, "decode_tokens": 2})
+
+
 def check_budget_spec(spec: str) -> str:
     """argparse type for one --budgets item: unbounded, min, N% (0 < N <= 100) or a size."""
     from cfr_atlas.errors import ConfigError
@@ -533,6 +551,9 @@ def main(argv=None) -> int:
         for spec in plans(a):
             groups.setdefault((spec["model"], spec["context"]), []).append(spec)
         for (_, context), specs in groups.items():
+            print(f"preparing {context:,} tokens (tile file, kernels)", file=sys.stderr,
+                  flush=True)
+            prepare(specs)
             budgets = ", ".join(s["budget"] for s in specs)
             if a.one_at_a_time:
                 for spec in specs:

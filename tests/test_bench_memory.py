@@ -133,3 +133,18 @@ def test_a_turn_waits_for_the_token_and_hands_it_back(bench):
         os.close(fd)
     with bench.Turns():  # alone: free
         pass
+
+
+def test_the_driver_prepares_tiles_and_kernels_before_the_workers(bench, tiny_gguf, tmp_path,
+                                                                  monkeypatch):
+    """prepare runs each spec once, short, in a process of its own: the tile file the workers
+    will map exists afterwards; a model that cannot load exits with its error."""
+    monkeypatch.setenv("CFR_ATLAS_TILES", str(tmp_path / "tiles"))
+    model = str(tiny_gguf(arch="llama", qtype="Q8_0", n_layers=2))
+    spec = {"model": model, "tiny": True, "context": 2048, "decode_tokens": 8,
+            "cold_phase": False, "storage_dtype": None, "regenerator": "spill"}
+    bench.prepare([spec | {"budget": "unbounded"}, spec | {"budget": "min"}])
+    assert [p.suffix for p in (tmp_path / "tiles").iterdir()] == [".tiles"]
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf")
+    with pytest.raises(SystemExit, match="worker failed"):
+        bench.prepare([spec | {"model": str(tmp_path / "bad.gguf"), "budget": "unbounded"}])
