@@ -15,12 +15,15 @@ full K/V at the context limit (context_limit x kv_bytes_per_token(storage itemsi
 smallest budget a session accepts: the sum of `fixed_kv_bytes` for its parameters), or a size
 (`64MiB`). The budget's bytes are computed here, not parsed by the session.
 
-Before the workers of a context start, the driver runs each of their budgets once on a short
-prompt (`PREPARE_TOKENS`), one process after another, so the model's tile cache file
-(engine.load_model's `tile_cache`) exists and numba's kernel cache holds every kernel the
-workers call: each timed worker then maps the same tiles and loads its kernels instead of the
-first worker compiling them for the others (which left that worker with 272 MiB of RssAnon at
-load against 126-137 MiB, the compiler's heap, and a process unlike the others).
+Before any worker starts, the driver runs each model's budgets once on a short prompt
+(`prepare`: `PREPARE_TOKENS` tokens, two decode tokens), one process after another, so the
+model's tile cache file (engine.load_model's `tile_cache`) exists and numba's kernel cache holds
+the kernels the workers call, the one-token decode path's included (the warm-up's 8-token
+chunks do not reach it): each timed worker then maps the same tiles and loads its kernels.
+Without it, workers compiled in their set-up turn and inside their first timed tokens (one
+run's 10 unbounded tokens took 3.4 s against a 22 ms median), and a worker that compiled kept
+the compiler's heap (148-272 MiB of RssAnon at load against 124-131 MiB).
+
 The worker loads the model, compiles kernels on a short warm-up sequence it then closes, and
 reads RssAnon / RssFile / RssShmem from /proc/self/status after load, after prefill (the real
 text up to the context), after `--decode-tokens` timed greedy tokens with the page file in
@@ -330,13 +333,35 @@ def run_ring(specs: list[dict], gap_s: float = 0.0) -> list[dict]:
 PREPARE_TOKENS = 600  # three 256-token pages: hot, mapped and regenerated pages all occur
 
 
-def prepare(specs: list[dict]) -> None:
-    """Run each spec once on a `PREPARE_TOKENS` prompt with two decode tokens, each in its own
-    process, one after another (`run_worker`): the tile file is written and every kernel the
-    timed workers call is compiled into numba's cache before they start."""
+def prepare_specs(specs: list[dict]) -> list[dict]:
+    """The short runs that compile what `specs`' workers call: each model's distinct budgets
+    (with its storage dtype, regenerator and cold phase) once, whatever the context, at
+    `PREPARE_TOKENS` tokens (or the context, if shorter) with two decode tokens. A size
+    becomes 50%: a size as large as the short run's whole K/V would regenerate nothing."""
+    seen, short = set(), []
     for spec in specs:
-        context = min(spec["context"], PREPARE_TOKENS)
-        run_worker(spec | {"context": context, "decode_tokens": 2})
+        budget = spec["budget"]
+        if budget not in ("unbounded", "min") and not budget.endswith("%"):
+            budget = "50%"
+        key = (spec["model"], spec["tiny"], budget, spec["storage_dtype"], spec["regenerator"],
+               spec["cold_phase"])
+        if key not in seen:
+            seen.add(key)
+            short.append(spec | {"budget": budget, "decode_tokens": 2,
+                                 "context": min(spec["context"], PREPARE_TOKENS)})
+    return short
+
+
+def prepare(specs: list[dict]) -> None:
+    """Run `prepare_specs(specs)` one after another, each in its own process (`run_worker`):
+    the tile files are written and the kernels compiled into numba's cache before the timed
+    workers start. A fraction below the smallest budget at the short length runs as `min`."""
+    for spec in prepare_specs(specs):
+        res = run_worker(spec)
+        if "skipped" in res:
+            res = run_worker(spec | {"budget": "min"})
+        if "skipped" in res:
+            raise SystemExit(f"preparing {spec['budget']} failed: {res['skipped']}")
 
 
 def check_budget_spec(spec: str) -> str:
@@ -550,10 +575,11 @@ def main(argv=None) -> int:
         groups: dict[tuple, list[dict]] = {}
         for spec in plans(a):
             groups.setdefault((spec["model"], spec["context"]), []).append(spec)
+        all_specs = [spec for specs in groups.values() for spec in specs]
+        print(f"preparing: {len(prepare_specs(all_specs))} short runs (tile files, kernels)",
+              file=sys.stderr, flush=True)
+        prepare(all_specs)
         for (_, context), specs in groups.items():
-            print(f"preparing {context:,} tokens (tile file, kernels)", file=sys.stderr,
-                  flush=True)
-            prepare(specs)
             budgets = ", ".join(s["budget"] for s in specs)
             if a.one_at_a_time:
                 for spec in specs:

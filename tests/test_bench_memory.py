@@ -137,14 +137,37 @@ def test_a_turn_waits_for_the_token_and_hands_it_back(bench):
 
 def test_the_driver_prepares_tiles_and_kernels_before_the_workers(bench, tiny_gguf, tmp_path,
                                                                   monkeypatch):
-    """prepare runs each spec once, short, in a process of its own: the tile file the workers
-    will map exists afterwards; a model that cannot load exits with its error."""
+    """prepare runs each model's budgets once, short, each in a process of its own: the tile
+    file the workers will map exists afterwards."""
     monkeypatch.setenv("CFR_ATLAS_TILES", str(tmp_path / "tiles"))
     model = str(tiny_gguf(arch="llama", qtype="Q8_0", n_layers=2))
     spec = {"model": model, "tiny": True, "context": 2048, "decode_tokens": 8,
             "cold_phase": False, "storage_dtype": None, "regenerator": "spill"}
     bench.prepare([spec | {"budget": "unbounded"}, spec | {"budget": "min"}])
     assert [p.suffix for p in (tmp_path / "tiles").iterdir()] == [".tiles"]
-    (tmp_path / "bad.gguf").write_bytes(b"not a gguf")
-    with pytest.raises(SystemExit, match="worker failed"):
-        bench.prepare([spec | {"model": str(tmp_path / "bad.gguf"), "budget": "unbounded"}])
+
+
+def test_prepare_runs_each_budget_once_short_and_never_skips_one(bench, monkeypatch):
+    """One short run per (model, budget) whatever the contexts; a size runs as 50%; a fraction
+    the short run refuses runs as min; a run that is still refused stops the benchmark."""
+    calls = []
+
+    def fake_worker(spec):
+        calls.append(spec)
+        return {"skipped": "too small"} if spec["budget"] in refused else {}
+
+    monkeypatch.setattr(bench, "run_worker", fake_worker)
+    base = {"model": None, "tiny": False, "decode_tokens": 24, "cold_phase": True,
+            "storage_dtype": None, "regenerator": "spill"}
+    specs = [base | {"context": c, "budget": b} for c in (4096, 8192)
+             for b in ("unbounded", "1%", "64MiB", "min")]
+    specs.append(base | {"context": 300, "budget": "min", "model": "other.gguf"})
+    refused = {"1%"}
+    bench.prepare(specs)
+    assert [(s["model"], s["budget"], s["context"], s["decode_tokens"]) for s in calls] == [
+        (None, "unbounded", 600, 2), (None, "1%", 600, 2), (None, "min", 600, 2),
+        (None, "50%", 600, 2), (None, "min", 600, 2), ("other.gguf", "min", 300, 2)]
+    calls.clear()
+    refused = {"1%", "min"}
+    with pytest.raises(SystemExit, match="preparing 1% failed: too small"):
+        bench.prepare(specs[:2])
