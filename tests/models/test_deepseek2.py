@@ -79,10 +79,9 @@ LLAMACPP_TOL = {"F32": 0.05, "Q8_0": 0.35}
 
 
 @pytest.mark.parametrize("case, qtype", LLAMACPP)
-def test_logits_match_llama_cpp(ds_file, case, qtype):
+def test_logits_match_llama_cpp(ds_file, case, qtype, load_benchmark):
     pytest.importorskip("llama_cpp")
-    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-    from llamacpp_ref import llamacpp_logits
+    llamacpp_logits = load_benchmark("llamacpp_ref").llamacpp_logits
 
     path = ds_file(case, qtype)
     theirs = llamacpp_logits(path, IDS, threads=1)

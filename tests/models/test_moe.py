@@ -53,10 +53,9 @@ def test_logits_match_float64_reference(moe_file, arch):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "F32"])
 @pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_logits_match_llama_cpp(moe_file, arch, qtype):
+def test_logits_match_llama_cpp(moe_file, arch, qtype, load_benchmark):
     pytest.importorskip("llama_cpp")
-    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-    from llamacpp_ref import llamacpp_logits
+    llamacpp_logits = load_benchmark("llamacpp_ref").llamacpp_logits
 
     path = moe_file(arch, qtype)
     theirs = llamacpp_logits(path, IDS, threads=1)
