@@ -2,7 +2,7 @@
 without the page checksums.
 
     PYTHONPATH=src python benchmarks/bench_check.py [--contexts 4096,8192] [--rounds 15]
-        [--layers 30 --kv-heads 3 --group 3 --head-dim 64 --page 64 --split 4]
+        [--layers 30 --kv-heads 3 --group 3 --head-dim 64 --page 256 --split 4]
         [--storage float16] [--json rows.json]
 
 Budgeted decode reads the pages that are not hot in place from the memory-mapped page file and
@@ -13,9 +13,10 @@ is folded once as mapped pages (checked) and once with those arrays passed as th
 (src SRC_HOT: same kernel, same bytes read in the same order, no check).
 
 One "token" = one query row per layer attending over every page of every K/V head of each of
-`--layers` layers (defaults: the bundled SmolLM2-135M's geometry, 64-token pages, 16-bit
-storage), each layer's pages in their own slab range, so a token reads the whole K/V from
-memory (90 MiB at 4,096 tokens) as decode does. The pages are held twice; each round folds
+`--layers` layers (defaults: the bundled SmolLM2-135M's geometry and a session's defaults:
+256-token pages, four pages a fold partition, 16-bit storage), each layer's pages in their own
+slab range, so a token reads the whole K/V from memory (90 MiB at 4,096 tokens) as decode
+does. The pages are held twice; each round folds
 every layer checked on one copy and unchecked on the other, alternating which goes first
 layer by layer and swapping the copies every round, so both kinds read from memory and see
 the same seconds of a machine whose speed drifts. The table gives the per-token medians and
@@ -165,7 +166,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kv-heads", type=_positive, default=3)
     ap.add_argument("--group", type=_positive, default=3, help="query heads per K/V head")
     ap.add_argument("--head-dim", type=_positive, default=64)
-    ap.add_argument("--page", type=_positive, default=64, help="tokens per page")
+    ap.add_argument("--page", type=_positive, default=256,
+                    help="tokens per page (default: a session's, models/session.py)")
     ap.add_argument("--split", type=_positive, default=4, help="pages per fold partition")
     ap.add_argument("--storage", default="float16", choices=[d.value for d in StorageDtype])
     ap.add_argument("--seed", type=int, default=0)

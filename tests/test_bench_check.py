@@ -17,7 +17,7 @@ def bench(load_benchmark):
 def test_tiny_run_prints_the_table_and_is_bitwise(bench, tmp_path, capsys, storage):
     out_json = tmp_path / "rows.json"
     argv = ["--contexts", "100,130", "--layers", "2", "--rounds", "3", "--storage", storage,
-            "--json", str(out_json)]
+            "--page", "64", "--json", str(out_json)]
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
     rows = json.loads(out_json.read_text())

@@ -29,9 +29,9 @@ Pages come from three slabs of one layout (K^T (S, D, P), V (S, P, D), storage d
 cache (SRC_HOT), regeneration scratch (SRC_SCRATCH), and a regenerator's memory-mapped pages
 (SRC_MAP, e.g. the page file in the OS page cache, read in place). A mapped page is verified in
 the same kernel: the work item that reads it last computes its checksum (page_sum.py) right
-after folding it (8-15% of the fold: benchmarks/bench_check.py) and flags a mismatch in
-`bad`; the caller raises before the result is used. 16-bit elements are read directly
-(`to_f32`), never widened into a copy of the page.
+after folding it (8-10% of the fold at a session's 256-token pages: benchmarks/bench_check.py)
+and flags a mismatch in `bad`; the caller raises before the result is used. 16-bit elements
+are read directly (`to_f32`), never widened into a copy of the page.
 
 Each numba kernel has a NumPy twin (`fold_pages_numpy`, `merge_partitions_numpy`) with the same
 signature, used by the tests. This module holds no cache or policy logic.
