@@ -16,9 +16,9 @@ One "token" = one query row per layer attending over every page of every K/V hea
 `--layers` layers (defaults: the bundled SmolLM2-135M's geometry and a session's defaults:
 256-token pages, four pages a fold partition, 16-bit storage), each layer's pages in their own
 slab range, so a token reads the whole K/V from memory (90 MiB at 4,096 tokens) as decode
-does. The pages are held twice; each round folds
-every layer checked on one copy and unchecked on the other, alternating which goes first
-layer by layer and swapping the copies every round, so both kinds read from memory and see
+does. The pages are held twice; each round folds every layer checked on one copy and
+unchecked on the other, alternating which goes first layer by layer and swapping the copies
+every round, so both kinds read from memory and see
 the same seconds of a machine whose speed drifts. The table gives the per-token medians and
 the median of the rounds' ratios. The checked and unchecked outputs are equal bitwise (else
 exit status 1). Random page contents: the checksum's cost does not depend on the values.

@@ -356,7 +356,10 @@ def prepare(specs: list[dict]) -> None:
     """Run `prepare_specs(specs)` one after another, each in its own process (`run_worker`):
     the tile files are written and the kernels compiled into numba's cache before the timed
     workers start. A fraction below the smallest budget at the short length runs as `min`."""
-    for spec in prepare_specs(specs):
+    short = prepare_specs(specs)
+    print(f"preparing: {len(short)} short runs (tile files, kernels)", file=sys.stderr,
+          flush=True)
+    for spec in short:
         res = run_worker(spec)
         if "skipped" in res:
             res = run_worker(spec | {"budget": "min"})
@@ -575,10 +578,7 @@ def main(argv=None) -> int:
         groups: dict[tuple, list[dict]] = {}
         for spec in plans(a):
             groups.setdefault((spec["model"], spec["context"]), []).append(spec)
-        all_specs = [spec for specs in groups.values() for spec in specs]
-        print(f"preparing: {len(prepare_specs(all_specs))} short runs (tile files, kernels)",
-              file=sys.stderr, flush=True)
-        prepare(all_specs)
+        prepare([spec for specs in groups.values() for spec in specs])
         for (_, context), specs in groups.items():
             budgets = ", ".join(s["budget"] for s in specs)
             if a.one_at_a_time:
