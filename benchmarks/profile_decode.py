@@ -87,10 +87,10 @@ class Timers:
 def _use_path(model, path: str, step) -> None:
     """Select a path (see the module docstring); "step" restores the model as loaded."""
     model.net.decode_step = step if path == "step" else None
-    if path == "general":
-        HotCache.append_walk = lambda *a, **k: None  # "not all hot": the general calls
+    if path == "general":  # "the walk does not apply": the general calls
+        HotCache.append_walk = HotCache.walk_misses = lambda *a, **k: None
     else:
-        HotCache.append_walk = HotCache._compiled_append_walk
+        HotCache.append_walk, HotCache.walk_misses = HotCache._compiled_walks
 
 
 def profile(model, ids: np.ndarray, context: int, tokens: int, rounds: int) -> dict:
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     return 0
 
 
-HotCache._compiled_append_walk = HotCache.append_walk
+HotCache._compiled_walks = HotCache.append_walk, HotCache.walk_misses
 
 if __name__ == "__main__":
     sys.exit(main())

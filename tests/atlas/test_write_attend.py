@@ -1,12 +1,13 @@
 """`Atlas.write_attend`, the decode path: one call that stores a chunk's rows and attends over
-the context they end. Whether it takes its compiled all-hot walk (`HotCache.append_walk` +
-`fold.fold_hot`) or the general path, its result, the hot cache (slots, rows held, recency, the
-rows' bytes), the accounting and the telemetry must be exactly those of `write_stored` followed
-by `attend_heads`: every comparison here is `np.array_equal` or `==`, on every storage dtype,
-with windows, softcap, ALiBi, sinks, a latent stream (V a view of K), budgets that force misses,
-and a page-mapping regenerator. The walk itself is checked against a float64 reference in
-test_exactness.py; here the claim is that the one call is the two calls, and that it really is
-the compiled walk most of the time (counted)."""
+the context they end. Whether it takes a compiled walk (all hot: `HotCache.append_walk` +
+`fold.fold_hot`; with a regenerator that maps pages: `HotCache.append_fold`) or the general
+path, its result, the hot cache (slots, rows held, recency, the rows' bytes), the accounting
+and the telemetry must be exactly those of `write_stored` followed by `attend_heads`: every
+comparison here is `np.array_equal` or `==`, on every storage dtype, with windows, softcap,
+ALiBi, sinks, a latent stream (V a view of K), budgets that force misses, and a page-mapping
+regenerator. The walk itself is checked against a float64 reference in test_exactness.py; here
+the claim is that the one call is the two calls, and that it really is the compiled walk most
+of the time (counted)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from atlas_reference import cache_state, check_accounting
 
 from cfr_atlas import Atlas, AtlasConfig, KeepAll, KeepRecent
 from cfr_atlas.atlas import fold
+from cfr_atlas.atlas.hot_cache import HotCache
 from cfr_atlas.atlas.storage import StorageDtype
 from cfr_atlas.errors import NumericError, PageError
 
@@ -109,10 +111,17 @@ def test_write_attend_is_write_then_attend(dtype, score, latent, budget_pages, m
     for kv in (kv_one, kv_two):
         kv.dtype, kv.dv, kv.storage = StorageDtype(dtype).array_dtype, dv, StorageDtype(dtype)
     policy = KeepAll() if budget_pages is None else KeepRecent(recent_tokens=2 * P)
-    compiled, walks = [], []
-    real, real_walk = fold.fold_hot, fold.fold_walk
+    compiled, walks = [], []  # compiled walks: all hot, and with mapped pages
+    real, real_walk = fold.fold_hot, HotCache.append_fold
     monkeypatch.setattr(fold, "fold_hot", lambda *a: compiled.append(1) or real(*a))
-    monkeypatch.setattr(fold, "fold_walk", lambda *a: walks.append(1) or real_walk(*a))
+
+    def append_fold(*a):
+        res = real_walk(*a)
+        if res[0] >= 0:
+            (walks if res[1] else compiled).append(1)
+        return res
+
+    monkeypatch.setattr(HotCache, "append_fold", append_fold)
     start = 0
     for T in CHUNKS:
         for layer in range(LAYERS):
@@ -175,14 +184,14 @@ def test_a_mapped_page_failing_its_check_raises_as_the_two_calls_do(dtype):
         kv.corrupt = (0, 1, 1)
     k_st, v_st = one.stored_rows(n, k[0, n:n + 1], v[0, n:n + 1])
     walks = []
-    real_walk = fold.fold_walk
-    fold.fold_walk = lambda *a: walks.append(1) or real_walk(*a)
+    real_walk = HotCache.append_fold
+    HotCache.append_fold = lambda *a: walks.append(real_walk(*a)) or walks[-1]
     try:
         with pytest.raises(CorruptPageError, match="checksum mismatch"):
             one.write_attend(kvs[0], 0, n, k_st, v_st, q, policy)
     finally:
-        fold.fold_walk = real_walk
-    assert walks  # the mapped walk found it
+        HotCache.append_fold = real_walk
+    assert walks and walks[-1][2] == 1  # the mapped walk found it
     two.write_stored(0, n, k_st, v_st, policy)
     with pytest.raises(CorruptPageError, match="checksum mismatch"):
         two.attend_heads(kvs[1], 0, range(H), q, n + 1, policy)

@@ -264,3 +264,28 @@ def test_a_one_row_store_into_a_cold_dense_layer_starts_the_pulls(spill, pulls, 
     assert hinted == []  # dense: no posix_fadvise
     stored = spill._k[(2 * H) * spill.n_pages + 10, :, 0]  # the row was written
     np.testing.assert_array_equal(stored.view(np.float16), np.ones(D, np.float16))
+
+
+def test_one_probe_a_token_stands_for_its_later_dense_layers(spill, monkeypatch):
+    """A decode token's one-row stores ask whether the page cache holds a dense layer once,
+    at the first layer it writes; the later layers of that token are not asked, and wait
+    for their pull when the first found the file cold."""
+    lens, dense = np.full(11, P), np.ones((H, 11), bool)
+    for layer in range(L):
+        spill.map_pages(layer, np.arange(H), 0, lens, dense)
+    asked = []
+    real = spill._cold
+    monkeypatch.setattr(spill, "_cold", lambda layer: asked.append(layer) or real(layer))
+    k = np.ones((1, H, D), np.float32)
+    for token in (40, 41):
+        for layer in range(L):
+            spill.record(layer, token, None, k, k)
+    assert asked == [0, 0]
+    spill.evict_page_cache()
+    waited, n_asked = [], []
+    for layer in range(L):  # layer 0 finds the file cold and pulls it; the others wait
+        spill.record(layer, 42, None, k, k)
+        waited.append(list(spill._puller.pending))
+        n_asked.append(len(asked))
+    assert asked[2] == 0 and n_asked == [n_asked[0]] * L  # asked at layer 0 only
+    assert waited[0] == [False, True, True, True] and waited[-1] == [False] * L

@@ -10,6 +10,7 @@ This module holds no cache or attention state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -100,26 +101,26 @@ class AtlasConfig:
             _int_field(f"layer_budgets[{layer}]", budget, minimum=0, maximum=MAX_BYTES)
 
     # --- derived sizes -------------------------------------------------------------------
-    @property
+    @functools.cached_property  # the decode path reads it per layer
     def dtype(self) -> StorageDtype:
         return StorageDtype(self.storage_dtype)
 
-    @property
+    @functools.cached_property
     def stored_value_dim(self) -> int:
         """Width of the stored V rows: head_dim, or 0 when V is a view of K (value_dim set)."""
         return self.head_dim if self.value_dim is None else 0
 
-    @property
+    @functools.cached_property
     def out_dim(self) -> int:
         """Width of an attention output row (the V width the fold reads)."""
         return self.head_dim if self.value_dim is None else self.value_dim
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> int:
         """Bytes of one token's stored K + V rows for one head."""
         return (self.head_dim + self.stored_value_dim) * self.dtype.itemsize
 
-    @property
+    @functools.cached_property
     def page_bytes(self) -> int:
         """Bytes of one full page (K + V)."""
         return self.page_tokens * self.row_bytes

@@ -46,6 +46,7 @@ hence another compile.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -358,7 +359,7 @@ def fold_hot(q, qpos, slabs, slot, span, score, sinks, out):
     output)."""
     scale, cap, alibi, win, fmt = score
     _fold_hot_flat(q, qpos, *slabs, slot, *span, scale, cap, alibi, win, fmt, sinks, out,
-                   *_plan(q, slot, span, slabs, out))
+                   *walk_plan(q, slot, span, slabs, out))
 
 
 def fold_walk(q, qpos, slabs, walk, span, score, sinks, out):
@@ -370,43 +371,25 @@ def fold_walk(q, qpos, slabs, walk, span, score, sinks, out):
     src, slot, expect, bad = walk
     scale, cap, alibi, win, fmt = score
     _fold_walk_flat(q, qpos, *slabs, src, slot, expect, bad, *span, scale, cap, alibi, win,
-                    fmt, sinks, out, *_plan(q, slot, span, slabs, out))
+                    fmt, sinks, out, *walk_plan(q, slot, span, slabs, out))
 
 
-@njit(cache=True, nogil=True)
-def mapped_walk(hot_slot, map_slot, map_expect, lens):
-    """The walk arrays of `fold_walk` for pages that are hot (hot_slot (H, NP) >= 0, the hot
-    slab's slot) or else mapped (map_slot, map_expect: the regenerator's slot and checksum):
-    (src, slot, expect, bad) C-contiguous, the hot page count, and the tokens of the mapped
-    pages (lens (NP,): tokens per page). One call for what would be a dozen NumPy calls."""
-    n_head, n_pg = hot_slot.shape
-    src = np.empty((n_head, n_pg), dtype=np.int64)
-    slot = np.empty((n_head, n_pg), dtype=np.int64)
-    expect = np.zeros((n_head, n_pg), dtype=np.uint32)
-    n_hot, mapped_tokens = 0, 0
-    for h in range(n_head):
-        for i in range(n_pg):
-            s = hot_slot[h, i]
-            if s >= 0:
-                src[h, i], slot[h, i] = SRC_HOT, s
-                n_hot += 1
-            else:
-                src[h, i], slot[h, i] = SRC_MAP, map_slot[h, i]
-                expect[h, i] = map_expect[h, i]
-                mapped_tokens += lens[i]
-    return src, slot, expect, np.zeros((n_head, n_pg), dtype=np.uint8), n_hot, mapped_tokens
-
-
-def _plan(q, slot, span, slabs, out) -> tuple:
+def walk_plan(q, slot, span, slabs, out) -> tuple:
     """(walk items, fold in parallel, merge in parallel) by `fold_pages`' and
     `merge_partitions`' rules."""
     n_tok, n_head, n_grp, _ = q.shape
-    n_pg = slot.shape[1]
-    lo, _, split = span
+    return _plan_of(n_tok, n_head, n_grp, slot.shape[1], span[0], span[2], slabs[0].shape[2],
+                    out.shape[3], PARALLEL_MIN_PAIRS)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_of(n_tok, n_head, n_grp, n_pg, lo, split, page_tokens, dv, min_pairs) -> tuple:
+    """`walk_plan` of a walk's sizes, remembered (min_pairs: the threshold the rules read
+    now, part of the key)."""
     n_part = (lo + n_pg + split - 1) // split
     return (_walk_items(n_tok, n_head, n_pg, lo, split),
-            _fold_in_parallel(n_tok, n_grp, n_head * n_pg, slabs[0].shape[2]),
-            _merge_in_parallel((n_tok, n_head, n_part, n_grp, out.shape[3])))
+            _fold_in_parallel(n_tok, n_grp, n_head * n_pg, page_tokens),
+            _merge_in_parallel((n_tok, n_head, n_part, n_grp, dv)))
 
 
 @njit(cache=True, nogil=True)

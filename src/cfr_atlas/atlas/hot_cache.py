@@ -36,9 +36,10 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import njit
 
+from cfr_atlas.atlas import decode_walk
 from cfr_atlas.atlas.config import AtlasConfig
+from cfr_atlas.atlas.decode_walk import append_walk
 from cfr_atlas.atlas.pages import PageKey
 
 
@@ -192,13 +193,6 @@ class HotCache:
         if self._journal is not None:
             self._journal.append(("touch", layer, heads, lo, before, 0, 0))
         used[heads] = np.where(hot, tick, before)
-
-    def touch_walk(self, layer: int, lo: int, hot: np.ndarray, tick: int) -> None:
-        """`touch` of table rows 0..H-1 (hot (H, NP)), the compiled walks' case, in one call."""
-        used = self.layers[layer].last_use[:hot.shape[0], lo:lo + hot.shape[1]]
-        if self._journal is not None:
-            self._journal.append(("touch", layer, all_heads(hot.shape[0]), lo, used.copy(), 0, 0))
-        np.copyto(used, tick, where=hot)
 
     def rollback(self) -> None:
         self._epoch += 1
@@ -417,12 +411,45 @@ class HotCache:
         slots = np.empty((len(heads), n_pages - lo), dtype=np.int64)
         write = ticks is not None
         tick_w, tick_a = ticks if write else (0, 0)
-        if not _append_walk(lay.slot, lay.tokens, lay.last_use, self.k, self.v, heads, start,
+        if not append_walk(lay.slot, lay.tokens, lay.last_use, self.k, self.v, heads, start,
                             k_st, v_st, lo, tick_w, tick_a, slots, write, misses):
             return None
         if write:
             self._account(lay, T * len(heads) * self.row_bytes, 0)
         return slots
+
+    def walk_misses(self, layer: int, n_heads: int, start: int, n_rows: int,
+                    lo: int) -> np.ndarray | None:
+        """The look of `append_walk(..., ticks=None, misses=True)` for n_rows rows of heads
+        0..n_heads-1, nothing written: None when it does not apply, else (H, NP) bool, True
+        where page lo + i of head h is not resident (what a mapping regenerator is asked)."""
+        lay = self.layers.get(layer)
+        n_pages = -(-(start + n_rows) // self.page_tokens)
+        if lay is None or not (0 <= lo < n_pages <= lay.slot.shape[1]
+                               and n_heads <= lay.slot.shape[0]):
+            return None
+        need = np.empty((n_heads, n_pages - lo), dtype=np.bool_)
+        if not decode_walk.look(lay.slot, lay.tokens, self.k, self.v, n_heads, start, n_rows,
+                                lo, need):
+            return None
+        return need
+
+    def append_fold(self, layer: int, start: int, k_st: np.ndarray, v_st: np.ndarray, lo: int,
+                    ticks: tuple[int, int], fold_args: tuple) -> tuple[int, int, int]:
+        """`append_walk(..., (ticks[0], -1), misses=True)`, the fold of the walk whose pages
+        not resident are mapped, then the recency marks of the resident pages at ticks[1]
+        unless a mapped page failed its check, in one compiled call (`decode_walk.append_fold`
+        says what fold_args holds): (resident pages, mapped tokens, failed pages), or
+        (-1, 0, 0) with nothing written when the walk does not apply. Outside a transaction
+        (the marks are not journaled)."""
+        lay = self.layers[layer]
+        heads = all_heads(k_st.shape[1])
+        res = decode_walk.append_fold(lay.slot, lay.tokens, lay.last_use, self.k, self.v,
+                                      heads, start, k_st, v_st, lo, ticks[0], ticks[1],
+                                      *fold_args)
+        if res[0] >= 0:
+            self._account(lay, k_st.shape[0] * len(heads) * self.row_bytes, 0)
+        return res
 
     def forget_before(self, layer: int, token: int) -> int:
         """Evict `layer`'s resident pages that end at or before `token` (a sliding window no
@@ -460,45 +487,3 @@ class HotCache:
 def all_heads(n: int) -> np.ndarray:
     """Table rows 0..n-1 (int64), one shared array per n (the kernels only read it)."""
     return np.arange(n, dtype=np.int64)
-
-
-@njit(cache=True, nogil=True)
-def _append_walk(slot, tokens, last_use, k, v, heads, start, k_st, v_st, lo, tick_w, tick_a,
-                 out, write, misses):
-    """`HotCache._append`'s check and writes for table rows `heads` (row i of k_st, v_st is
-    head heads[i]): True and out (H, NP) filled when the rows grow each head's resident page
-    in place and pages lo.. of those heads are all then resident and whole, or with `misses`
-    absent (slot -1) (and, if `write`, done: rows written at tick_w, the resident pages lo..
-    marked at tick_a unless it is -1); False, nothing written, otherwise."""
-    n_t = k_st.shape[0]
-    page_tokens = v.shape[1]
-    page, off = divmod(start, page_tokens)
-    if off == 0 or off + n_t > page_tokens or page - lo + 1 != out.shape[1]:
-        return False
-    for h in heads:
-        if slot[h, page] < 0 or tokens[h, page] != off:
-            return False
-        for p in range(lo, page):
-            if slot[h, p] < 0:
-                if misses:
-                    continue
-                return False
-            if tokens[h, p] != page_tokens:
-                return False
-    for i, h in enumerate(heads):
-        for p in range(lo, page + 1):
-            out[i, p - lo] = slot[h, p]
-        if not write:
-            continue
-        s = slot[h, page]  # what `grow` writes: K^T columns, V rows, rows held, recency
-        for t in range(n_t):
-            for e in range(k.shape[1]):
-                k[s, e, off + t] = k_st[t, i, e]
-            for e in range(v.shape[2]):
-                v[s, off + t, e] = v_st[t, i, e]
-        tokens[h, page] = off + n_t
-        last_use[h, page] = tick_w
-        for p in range(lo, page + 1):  # what the fold's `touch` then marks (resident pages)
-            if slot[h, p] >= 0 and tick_a >= 0:
-                last_use[h, p] = tick_a
-    return True

@@ -135,6 +135,11 @@ def _per_head(name: str, value, n_head: int, n_grp: int, fill: float) -> np.ndar
     return arr
 
 
+def _page_lens(lo: int, n_pg: int, context: int, page_tokens: int) -> np.ndarray:
+    """Tokens of pages lo..lo+n_pg-1 of a context (int64; the last page may be partial)."""
+    return np.minimum(page_tokens, context - np.arange(lo, lo + n_pg) * page_tokens)
+
+
 def _overflows(stored: np.ndarray, dtype: StorageDtype) -> bool:
     """True if rounding finite float32 rows to a 16-bit storage dtype produced inf."""
     return dtype is not StorageDtype.FLOAT32 and not np.isfinite(widen(stored, dtype)).all()
@@ -317,26 +322,15 @@ class Atlas:
         # place and the regenerator maps every page that is not hot (it is told what the fold
         # reads first: its read-ahead follows the folds); if it refuses, the two general calls
         # run and raise what they raise, after the write.
-        slots = self.cache.append_walk(layer, start, k_st, v_st, lo, None, misses=True)
-        if slots is None:
+        need = self.cache.walk_misses(layer, k_st.shape[1], start, T, lo)
+        if need is None:
             return None
-        hot = slots >= 0
-        lens = np.minimum(P, context - np.arange(lo, lo + slots.shape[1]) * P)
+        lens = _page_lens(lo, need.shape[1], context, P)
         try:
-            maps = map_pages(layer, all_heads(slots.shape[0]), lo, lens, ~hot)
+            maps = map_pages(layer, all_heads(need.shape[0]), lo, lens, need)
         except AtlasError:
             return None
-        if (maps.missing & ~hot).any():
-            return None
-        if hot.all():
-            slots = self.cache.append_walk(layer, start, k_st, v_st, lo,
-                                           (self._tick + 1, self._tick + 2))
-            return self._fold_hot(q, context, lo, slots, args, out)
-        # the rows now, the recency marks after the fold (a page that fails its check leaves
-        # them as the general path's rollback does)
-        slots = self.cache.append_walk(layer, start, k_st, v_st, lo, (self._tick + 1, -1),
-                                       misses=True)
-        return self._fold_mapped(layer, q, context, lo, lens, slots, hot, maps, args, out)
+        return self._fold_mapped(layer, start, k_st, v_st, q, lo, lens, maps, args, out)
 
     def write_rows(self, layer: int, start_token: int, k_rows: np.ndarray, v_rows: np.ndarray,
                    policy=None, kv_heads=None) -> tuple[np.ndarray, np.ndarray]:
@@ -522,29 +516,45 @@ class Atlas:
         self._total.add_walk(self._last)
         return out
 
-    def _fold_mapped(self, layer, q, context, lo, lens, slots, hot, maps, args,
-                     out=None) -> np.ndarray:
+    def _fold_mapped(self, layer, start, k_st, v_st, q, lo, lens, maps, args,
+                     out=None) -> np.ndarray | None:
         """`_fold_hot` for a walk whose pages not hot are read in place from the regenerator's
-        mapping (`maps`): one compiled fold and merge, each mapped page's checksum checked in
-        it and a mismatch raised before the result is used; the counters of a write call and
-        of the attend call the general path makes (mapped pages count as regenerated)."""
+        mapping (`maps`): the rows appended, the fold and merge with each mapped page's
+        checksum checked (a mismatch raised before the result is used), the recency marks, in
+        one compiled call (`HotCache.append_fold`); the counters of a write call and of the
+        attend call the general path makes (mapped pages count as regenerated). None, nothing
+        changed, when the walk does not apply (a page neither hot nor mapped)."""
         cfg = self.config
-        out, qpos, score, sinks = self._begin_walk(q, context, args, out)
-        n_head, n_pg = slots.shape
-        *walk, n_hot, mapped_tokens = fold.mapped_walk(slots, maps.slot, maps.expect, lens)
-        slabs = (self.cache.k, self.cache.v, self._scratch_k, self._scratch_v, maps.k, maps.v)
+        context = start + q.shape[0]
+        scale, cap, alibi, win, sinks = args
+        if out is None:
+            out = np.empty(q.shape[:3] + (cfg.out_dim,), dtype=np.float32)
+        qpos = np.arange(context - q.shape[0], context, dtype=np.int64)
+        span = (lo, context, cfg.split_pages)
+        bad = np.zeros(maps.slot.shape, dtype=np.uint8)
+        fold_args = (self._scratch_k, self._scratch_v, maps.k, maps.v, maps.slot, maps.expect,
+                     maps.missing, lens, q, qpos, context, cfg.split_pages, np.float32(scale),
+                     np.float32(cap), alibi, win, self._fmt, sinks, out,
+                     *fold.walk_plan(q, bad, span, (self.cache.k,), out), bad)
         t0 = time.perf_counter()
-        fold.fold_walk(q, qpos, slabs, walk, (lo, context, cfg.split_pages), score, sinks, out)
+        n_hot, mapped_tokens, n_bad = self.cache.append_fold(
+            layer, start, k_st, v_st, lo, (self._tick + 1, self._tick + 2), fold_args)
         seconds = time.perf_counter() - t0
+        if n_hot < 0:
+            return None
+        self._tick += 2
+        self._peak = max(self._peak, self.cache.resident_bytes)
+        self._scratch_used = False
+        n_head, n_pg = bad.shape
         c = self._last = Counters(calls=1, pages_folded=n_head * n_pg, hot_hits=n_hot,
-                                  tokens_consumed=int(lens.sum()) * n_head, fold_seconds=seconds)
-        if walk[3].any():  # a mapped page failed its check: raise as the two calls would
+                                  tokens_consumed=(context - lo * cfg.page_tokens) * n_head,
+                                  fold_seconds=seconds)
+        if n_bad:  # a mapped page failed its check: raise as the two calls would
             self._total.calls += 1  # the write call
             self._check_walk(layer, range(n_head), (lo + np.arange(n_pg)) * cfg.page_tokens,
-                             lens, walk[0], walk[3])
+                             lens, bad, bad)
         c.regenerations = n_head * n_pg - n_hot  # mapped pages count as regenerated
         c.bytes_mapped = c.bytes_regenerated = mapped_tokens * cfg.row_bytes
-        self.cache.touch_walk(layer, lo, hot, self._tick)
         self._total.add_walk(self._last)
         return out
 

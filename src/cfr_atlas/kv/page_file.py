@@ -312,6 +312,7 @@ class SpillKv:
         # the layer whose one-row write just checked the file and its pages (`_write`): its
         # fold, next, need not check them again (-1: none)
         self._written = -1
+        self._probed = (-1, 0)  # (token, layer) of the last one-row write that probed the cache
         self._row_bytes = (head_dim + self.value_dim) * dtype.itemsize  # one token's K + V
         self.bytes_written = 0
         self.bytes_read = 0  # by `regenerate_page` (copies); the fold's reads are the Atlas's
@@ -343,7 +344,7 @@ class SpillKv:
         if last >= self._reserved[layer]:
             self._reserve(layer, last + 1)
         if n == 1:
-            self._fetch_write_target(layer, pos0 // self.page_tokens)
+            self._fetch_write_target(layer, pos0)
             self._written = layer
         gap = _write_rows(self._k, self._v, self.tokens, self.sums, self._slots3[layer, :, 0],
                           pos0, k_st, v_st)
@@ -353,21 +354,30 @@ class SpillKv:
                                    f"be appended in order (writing token {pos0})")
         self.bytes_written += (k_st.size + v_st.size) * self.dtype.itemsize
 
-    def _fetch_write_target(self, layer: int, page: int) -> None:
-        """Before a one-row store: a store into an uncached mapped page reads it first. In a
-        dense layer, a cold target page means a cold layer: it is pulled (`_pull`) with the
-        cold layers after it. In a sparse layer (`MADV_RANDOM`), exactly the K and V pages of
-        every head are asked for at once (the faults alone would read them one by one,
-        synchronously)."""
+    def _fetch_write_target(self, layer: int, pos0: int) -> None:
+        """Before a one-row store of token pos0: a store into an uncached mapped page reads it
+        first. In a dense layer, a cold target page means a cold layer: it is pulled (`_pull`)
+        with the cold layers after it. The first dense layer a token writes stands for the
+        later ones (asking whether a layer is cached costs ~10 us; the page cache drops the
+        least recently read pages first, and every token reads the layers in order, so the
+        first layer's pages go first): a later layer is only waited for while its pull runs.
+        In a sparse layer (`MADV_RANDOM`), exactly the K and V pages of every head are asked
+        for at once (the faults alone would read them one by one, synchronously)."""
         if not self._sparse[layer]:
             # the first store of a decode step reaches a layer before its fold does: a cold
             # layer (its oldest page the fold reads, as `_read_ahead` asks; the target page is
             # one of those pages) starts the pulls here (the store's fault would read 8 MiB
             # around the page on its own, competing with them), and the fold that follows
             # does not ask again
+            if pos0 == self._probed[0] and layer > self._probed[1]:  # this token probed
+                puller = self._puller
+                if puller is not None and puller.pending[layer]:
+                    puller.wait(layer)
+                return
+            self._probed = (pos0, layer)
             self._pull(layer, lambda: self._cold(layer))
             return
-        slots = self._slots3[layer, :, page]
+        slots = self._slots3[layer, :, pos0 // self.page_tokens]
         if not cached(self._base + HDR_BYTES + int(slots[0]) * self.page_bytes):
             _advise(self.fd, [r for s in slots.tolist() for r in self._page_ranges(s, 1)])
 

@@ -1,0 +1,131 @@
+"""The decode walk's kernels: rows appended to resident pages, and the mapped walk in one call.
+
+A decode token's attention for one layer writes T new rows (T = 1 when decoding) into the
+page each K/V head is growing, then folds every page lo.. of every head. When that page is
+resident and holds exactly the rows before the new ones, and every other page of the walk is
+either resident and whole or held in place by the regenerator's mapping (the spill page file),
+the whole layer is two compiled calls: `look` (which pages are not resident: what the
+regenerator is asked to map) and `append_fold` (the rows appended, the walk arrays, the fold
+and merge with each mapped page's checksum checked, the recency marks). Anything else (a new
+page, a stale partial page, a page the mapping lacks) is reported, with nothing written, and
+the caller takes the general path.
+
+The tables (slot, tokens, last_use: (heads, pages) int64) and slabs are `HotCache`'s: only its
+methods call these kernels. The fold is `fold._fold_walk`, the kernel every walk uses, so the
+result is bitwise that of the general path. No policy, accounting or telemetry here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from cfr_atlas.atlas.fold import SRC_HOT, SRC_MAP, _fold_walk
+
+
+@njit(cache=True, nogil=True)
+def append_walk(slot, tokens, last_use, k, v, heads, start, k_st, v_st, lo, tick_w, tick_a,
+                out, write, misses):
+    """`HotCache._append`'s check and writes for table rows `heads` (row i of k_st, v_st is
+    head heads[i]): True and out (H, NP) filled when the rows grow each head's resident page
+    in place and pages lo.. of those heads are all then resident and whole, or with `misses`
+    absent (slot -1) (and, if `write`, done: rows written at tick_w, the resident pages lo..
+    marked at tick_a unless it is -1); False, nothing written, otherwise."""
+    n_t = k_st.shape[0]
+    page_tokens = v.shape[1]
+    page, off = divmod(start, page_tokens)
+    if off == 0 or off + n_t > page_tokens or page - lo + 1 != out.shape[1]:
+        return False
+    for h in heads:
+        if slot[h, page] < 0 or tokens[h, page] != off:
+            return False
+        for p in range(lo, page):
+            if slot[h, p] < 0:
+                if misses:
+                    continue
+                return False
+            if tokens[h, p] != page_tokens:
+                return False
+    for i, h in enumerate(heads):
+        for p in range(lo, page + 1):
+            out[i, p - lo] = slot[h, p]
+        if not write:
+            continue
+        s = slot[h, page]  # what `grow` writes: K^T columns, V rows, rows held, recency
+        for t in range(n_t):
+            for e in range(k.shape[1]):
+                k[s, e, off + t] = k_st[t, i, e]
+            for e in range(v.shape[2]):
+                v[s, off + t, e] = v_st[t, i, e]
+        tokens[h, page] = off + n_t
+        last_use[h, page] = tick_w
+        for p in range(lo, page + 1):  # what the fold's `touch` then marks (resident pages)
+            if slot[h, p] >= 0 and tick_a >= 0:
+                last_use[h, p] = tick_a
+    return True
+
+
+@njit(cache=True, nogil=True)
+def look(slot, tokens, k, v, n_heads, start, n_rows, lo, need):
+    """`append_walk`'s check with misses allowed, for heads 0..n_heads-1 and n_rows rows: True
+    and need (H, NP) set where a page lo.. is not resident, or False."""
+    heads = np.arange(n_heads)
+    k_st = np.empty((n_rows, 0, 0), dtype=k.dtype)  # shapes only: nothing is written
+    hot = np.empty(need.shape, dtype=np.int64)
+    if not append_walk(slot, tokens, slot, k, v, heads, start, k_st, k_st, lo, 0, -1, hot,
+                       False, True):
+        return False
+    for h in range(need.shape[0]):
+        for i in range(need.shape[1]):
+            need[h, i] = hot[h, i] < 0
+    return True
+
+
+@njit(cache=True, nogil=True)
+def append_fold(slot, tokens, last_use, k_hot, v_hot, heads, start, k_st, v_st, lo, tick_w,
+                tick_a, k_scr, v_scr, k_map, v_map, map_slot, map_expect, map_missing, lens, q,
+                qpos, context, split, scale, cap, alibi, win, fmt, sinks, out, items,
+                fold_parallel, merge_parallel, bad):
+    """The mapped decode walk of one layer in one call (module docstring): pages lo.. of table
+    rows `heads` are read from the hot slab where resident, else from the regenerator's slabs
+    (k_map, v_map) at map_slot with checksum map_expect (`map_missing` set: it lacks the page).
+    If the rows (T, H, D) do not grow every head's resident page in place, or a page is neither
+    resident and whole nor mapped, returns (-1, 0, 0) with nothing written. Else appends the
+    rows at tick_w, folds and merges into out (as `fold.fold_walk` over the same walk), marks
+    the resident pages at tick_a unless a mapped page failed its check (bad (H, NP) set), and
+    returns (resident pages, tokens of the mapped pages, pages that failed)."""
+    n_head, n_pg = map_slot.shape
+    hot = np.empty((n_head, n_pg), dtype=np.int64)
+    if not append_walk(slot, tokens, last_use, k_hot, v_hot, heads, start, k_st, v_st, lo, 0,
+                       -1, hot, False, True):
+        return -1, 0, 0
+    src = np.empty((n_head, n_pg), dtype=np.int64)
+    walk_slot = np.empty((n_head, n_pg), dtype=np.int64)
+    expect = np.zeros((n_head, n_pg), dtype=np.uint32)
+    n_hot, mapped_tokens = 0, 0
+    for h in range(n_head):
+        for i in range(n_pg):
+            if hot[h, i] >= 0:
+                src[h, i], walk_slot[h, i] = SRC_HOT, hot[h, i]
+                n_hot += 1
+            elif map_missing[h, i]:
+                return -1, 0, 0
+            else:
+                src[h, i], walk_slot[h, i] = SRC_MAP, map_slot[h, i]
+                expect[h, i] = map_expect[h, i]
+                mapped_tokens += lens[i]
+    append_walk(slot, tokens, last_use, k_hot, v_hot, heads, start, k_st, v_st, lo, tick_w, -1,
+                hot, True, True)
+    _fold_walk(q, qpos, (k_hot, v_hot, k_scr, v_scr, k_map, v_map), (src, walk_slot, expect, bad),
+               (lo, context, split), (scale, cap, alibi, win, fmt), sinks, out,
+               (items, fold_parallel, merge_parallel))
+    n_bad = 0
+    for h in range(n_head):
+        for i in range(n_pg):
+            n_bad += bad[h, i] != 0
+    if n_bad == 0:  # the fold's `touch`: after a fold whose result is used
+        for h in range(n_head):
+            for i in range(n_pg):
+                if hot[h, i] >= 0:
+                    last_use[heads[h], lo + i] = tick_a
+    return n_hot, mapped_tokens, n_bad
