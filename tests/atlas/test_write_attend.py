@@ -96,8 +96,9 @@ SCORES = {
 @pytest.mark.parametrize("score", list(SCORES))
 @pytest.mark.parametrize("latent", [False, True], ids=["kv", "latent"])
 @pytest.mark.parametrize("budget_pages,maps", [(None, False), (7, False), (7, True),
-                                               (7, "pages")],
-                         ids=["unbounded", "budget", "budget+maps", "budget+mapped"])
+                                               (7, "pages"), (0, "pages")],
+                         ids=["unbounded", "budget", "budget+maps", "budget+mapped",
+                              "nothing-hot+mapped"])
 def test_write_attend_is_write_then_attend(dtype, score, latent, budget_pages, maps, monkeypatch):
     opts = SCORES[score]
     rng = np.random.default_rng(5)

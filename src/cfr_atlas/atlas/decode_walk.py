@@ -29,15 +29,19 @@ def append_walk(slot, tokens, last_use, k, v, heads, start, k_st, v_st, lo, tick
     """`HotCache._append`'s check and writes for table rows `heads` (row i of k_st, v_st is
     head heads[i]): True and out (H, NP) filled when the rows grow each head's resident page
     in place and pages lo.. of those heads are all then resident and whole, or with `misses`
-    absent (slot -1) (and, if `write`, done: rows written at tick_w, the resident pages lo..
-    marked at tick_a unless it is -1); False, nothing written, otherwise."""
+    absent (slot -1; the page the rows grow too, which then stays absent: the general path
+    writes nothing into a page it did not admit at its first row) (and, if `write`, done:
+    rows written at tick_w, the resident pages lo.. marked at tick_a unless it is -1); False,
+    nothing written, otherwise."""
     n_t = k_st.shape[0]
     page_tokens = v.shape[1]
     page, off = divmod(start, page_tokens)
     if off == 0 or off + n_t > page_tokens or page - lo + 1 != out.shape[1]:
         return False
     for h in heads:
-        if slot[h, page] < 0 or tokens[h, page] != off:
+        if slot[h, page] < 0 and misses:
+            pass
+        elif slot[h, page] < 0 or tokens[h, page] != off:
             return False
         for p in range(lo, page):
             if slot[h, p] < 0:
@@ -52,13 +56,14 @@ def append_walk(slot, tokens, last_use, k, v, heads, start, k_st, v_st, lo, tick
         if not write:
             continue
         s = slot[h, page]  # what `grow` writes: K^T columns, V rows, rows held, recency
-        for t in range(n_t):
-            for e in range(k.shape[1]):
-                k[s, e, off + t] = k_st[t, i, e]
-            for e in range(v.shape[2]):
-                v[s, off + t, e] = v_st[t, i, e]
-        tokens[h, page] = off + n_t
-        last_use[h, page] = tick_w
+        if s >= 0:
+            for t in range(n_t):
+                for e in range(k.shape[1]):
+                    k[s, e, off + t] = k_st[t, i, e]
+                for e in range(v.shape[2]):
+                    v[s, off + t, e] = v_st[t, i, e]
+            tokens[h, page] = off + n_t
+            last_use[h, page] = tick_w
         for p in range(lo, page + 1):  # what the fold's `touch` then marks (resident pages)
             if slot[h, p] >= 0 and tick_a >= 0:
                 last_use[h, p] = tick_a
@@ -90,15 +95,17 @@ def append_fold(slot, tokens, last_use, k_hot, v_hot, heads, start, k_st, v_st, 
     rows `heads` are read from the hot slab where resident, else from the regenerator's slabs
     (k_map, v_map) at map_slot with checksum map_expect (`map_missing` set: it lacks the page).
     If the rows (T, H, D) do not grow every head's resident page in place, or a page is neither
-    resident and whole nor mapped, returns (-1, 0, 0) with nothing written. Else appends the
-    rows at tick_w, folds and merges into out (as `fold.fold_walk` over the same walk), marks
-    the resident pages at tick_a unless a mapped page failed its check (bad (H, NP) set), and
-    returns (resident pages, tokens of the mapped pages, pages that failed)."""
+    resident and whole nor mapped, returns (-1, 0, 0, 0) with nothing written. Else appends the
+    rows at tick_w (to the heads whose growing page is resident: the rows of the others are
+    the regenerator's alone, as the general path leaves them), folds and merges into out (as
+    `fold.fold_walk` over the same walk), marks the resident pages at tick_a unless a mapped
+    page failed its check (bad (H, NP) set), and returns (resident pages, tokens of the
+    mapped pages, pages that failed, heads whose resident page took the rows)."""
     n_head, n_pg = map_slot.shape
     hot = np.empty((n_head, n_pg), dtype=np.int64)
     if not append_walk(slot, tokens, last_use, k_hot, v_hot, heads, start, k_st, v_st, lo, 0,
                        -1, hot, False, True):
-        return -1, 0, 0
+        return -1, 0, 0, 0
     src = np.empty((n_head, n_pg), dtype=np.int64)
     walk_slot = np.empty((n_head, n_pg), dtype=np.int64)
     expect = np.zeros((n_head, n_pg), dtype=np.uint32)
@@ -109,13 +116,16 @@ def append_fold(slot, tokens, last_use, k_hot, v_hot, heads, start, k_st, v_st, 
                 src[h, i], walk_slot[h, i] = SRC_HOT, hot[h, i]
                 n_hot += 1
             elif map_missing[h, i]:
-                return -1, 0, 0
+                return -1, 0, 0, 0
             else:
                 src[h, i], walk_slot[h, i] = SRC_MAP, map_slot[h, i]
                 expect[h, i] = map_expect[h, i]
                 mapped_tokens += lens[i]
     append_walk(slot, tokens, last_use, k_hot, v_hot, heads, start, k_st, v_st, lo, tick_w, -1,
                 hot, True, True)
+    grown = 0  # heads whose resident page took the rows
+    for h in range(n_head):
+        grown += hot[h, n_pg - 1] >= 0
     _fold_walk(q, qpos, (k_hot, v_hot, k_scr, v_scr, k_map, v_map), (src, walk_slot, expect, bad),
                (lo, context, split), (scale, cap, alibi, win, fmt), sinks, out,
                (items, fold_parallel, merge_parallel))
@@ -128,4 +138,4 @@ def append_fold(slot, tokens, last_use, k_hot, v_hot, heads, start, k_st, v_st, 
             for i in range(n_pg):
                 if hot[h, i] >= 0:
                     last_use[heads[h], lo + i] = tick_a
-    return n_hot, mapped_tokens, n_bad
+    return n_hot, mapped_tokens, n_bad, grown

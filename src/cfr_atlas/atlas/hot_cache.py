@@ -383,23 +383,17 @@ class HotCache:
                             start // self.page_tokens, (tick, tick)) is not None
 
     def append_walk(self, layer: int, start: int, k_st: np.ndarray, v_st: np.ndarray,
-                    lo: int, ticks: tuple[int, int] | None,
-                    misses: bool = False) -> np.ndarray | None:
+                    lo: int, ticks: tuple[int, int] | None) -> np.ndarray | None:
         """The decode path in one call: when `append` applies to every head 0..H-1 of the rows
         (T, H, D) and every page lo.. of those heads is then resident and whole (a walk of the
         new context with no miss), append the rows (at ticks[0]), touch the walk's pages (at
         ticks[1], as a fold's `touch` would) and return the walk's slots (H, NP). Else change
         nothing and return None (the caller takes the general path). ticks None: only look
-        (the slots are returned, nothing is written); ticks[1] -1: the rows are appended and
-        nothing is touched (the caller touches after a fold that can fail). misses=True: pages
-        before the one the rows grow may also be absent (slot -1; a resident one must still be
-        whole), and only the resident ones are touched (the walk of a regenerator that maps
-        the others)."""
-        return self._append(layer, all_heads(k_st.shape[1]), start, k_st, v_st,
-                            lo, ticks, misses)
+        (the slots are returned, nothing is written). A walk with misses a regenerator maps:
+        `walk_misses` and `append_fold`."""
+        return self._append(layer, all_heads(k_st.shape[1]), start, k_st, v_st, lo, ticks)
 
-    def _append(self, layer, heads, start, k_st, v_st, lo, ticks,
-                misses=False) -> np.ndarray | None:
+    def _append(self, layer, heads, start, k_st, v_st, lo, ticks) -> np.ndarray | None:
         """`append` / `append_walk` for table rows `heads`: the walk's slots, or None."""
         lay = self.layers.get(layer)
         if lay is None:
@@ -412,7 +406,7 @@ class HotCache:
         write = ticks is not None
         tick_w, tick_a = ticks if write else (0, 0)
         if not append_walk(lay.slot, lay.tokens, lay.last_use, self.k, self.v, heads, start,
-                            k_st, v_st, lo, tick_w, tick_a, slots, write, misses):
+                            k_st, v_st, lo, tick_w, tick_a, slots, write, False):
             return None
         if write:
             self._account(lay, T * len(heads) * self.row_bytes, 0)
@@ -420,8 +414,8 @@ class HotCache:
 
     def walk_misses(self, layer: int, n_heads: int, start: int, n_rows: int,
                     lo: int) -> np.ndarray | None:
-        """The look of `append_walk(..., ticks=None, misses=True)` for n_rows rows of heads
-        0..n_heads-1, nothing written: None when it does not apply, else (H, NP) bool, True
+        """Whether `append_fold` can take n_rows rows of heads 0..n_heads-1 from `start`
+        (`decode_walk.look`), nothing written: None when it cannot, else (H, NP) bool, True
         where page lo + i of head h is not resident (what a mapping regenerator is asked)."""
         lay = self.layers.get(layer)
         n_pages = -(-(start + n_rows) // self.page_tokens)
@@ -436,20 +430,20 @@ class HotCache:
 
     def append_fold(self, layer: int, start: int, k_st: np.ndarray, v_st: np.ndarray, lo: int,
                     ticks: tuple[int, int], fold_args: tuple) -> tuple[int, int, int]:
-        """`append_walk(..., (ticks[0], -1), misses=True)`, the fold of the walk whose pages
-        not resident are mapped, then the recency marks of the resident pages at ticks[1]
-        unless a mapped page failed its check, in one compiled call (`decode_walk.append_fold`
-        says what fold_args holds): (resident pages, mapped tokens, failed pages), or
-        (-1, 0, 0) with nothing written when the walk does not apply. Outside a transaction
-        (the marks are not journaled)."""
+        """`append_walk(..., (ticks[0], -1), misses=True)` (a head whose growing page is not
+        resident takes no rows), the fold of the walk whose pages not resident are mapped,
+        then the recency marks of the resident pages at ticks[1] unless a mapped page failed
+        its check, in one compiled call (`decode_walk.append_fold` says what fold_args holds):
+        (resident pages, mapped tokens, failed pages), or (-1, 0, 0) with nothing written
+        when the walk does not apply. Outside a transaction (the marks are not journaled)."""
         lay = self.layers[layer]
         heads = all_heads(k_st.shape[1])
         res = decode_walk.append_fold(lay.slot, lay.tokens, lay.last_use, self.k, self.v,
                                       heads, start, k_st, v_st, lo, ticks[0], ticks[1],
                                       *fold_args)
         if res[0] >= 0:
-            self._account(lay, k_st.shape[0] * len(heads) * self.row_bytes, 0)
-        return res
+            self._account(lay, k_st.shape[0] * res[3] * self.row_bytes, 0)
+        return res[:3]
 
     def forget_before(self, layer: int, token: int) -> int:
         """Evict `layer`'s resident pages that end at or before `token` (a sliding window no

@@ -249,11 +249,12 @@ class Atlas:
         the hot cache, the telemetry and the regenerator's view are those of the two calls.
 
         The decode path: when the rows grow resident pages in place and every page the query
-        reads is then hot, or read in place from the regenerator's mapping (the spill page
-        file), the write, the recency marks, the fold and the merge are two compiled calls
-        (`HotCache.append_walk`, `fold.fold_hot` / `fold.fold_walk`) instead of two walks in
-        Python; any other case (a new page, a page to regenerate, a checked-out argument)
-        takes the two calls themselves, which raise what they raise."""
+        reads is then hot, the write, the recency marks, the fold and the merge are two
+        compiled calls (`HotCache.append_walk`, `fold.fold_hot`) instead of two walks in
+        Python; with a regenerator that maps pages (the spill page file), when every page not
+        hot is read in place from its mapping, `HotCache.walk_misses`, `map_pages` and
+        `HotCache.append_fold`. Any other case (a new page, a page to regenerate, a
+        checked-out argument) takes the two calls themselves, which raise what they raise."""
         cfg = self.config
         fast = (isinstance(k_st, np.ndarray) and k_st.ndim == 3
                 and isinstance(v_st, np.ndarray) and isinstance(query, np.ndarray)
