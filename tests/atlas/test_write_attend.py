@@ -96,9 +96,9 @@ SCORES = {
 @pytest.mark.parametrize("score", list(SCORES))
 @pytest.mark.parametrize("latent", [False, True], ids=["kv", "latent"])
 @pytest.mark.parametrize("budget_pages,maps", [(None, False), (7, False), (7, True),
-                                               (7, "pages"), (0, "pages")],
+                                               (7, "pages"), (1, "pages"), (0, "pages")],
                          ids=["unbounded", "budget", "budget+maps", "budget+mapped",
-                              "nothing-hot+mapped"])
+                              "one-page+mapped", "nothing-hot+mapped"])
 def test_write_attend_is_write_then_attend(dtype, score, latent, budget_pages, maps, monkeypatch):
     opts = SCORES[score]
     rng = np.random.default_rng(5)
@@ -171,8 +171,8 @@ def test_a_mapped_page_failing_its_check_raises_as_the_two_calls_do(dtype):
 
     rng = np.random.default_rng(9)
     n = 4 * P + 1
-    k = rng.standard_normal((LAYERS, n + 1, H, D)).astype(np.float32)
-    v = rng.standard_normal((LAYERS, n + 1, H, D)).astype(np.float32)
+    k = rng.standard_normal((LAYERS, n + 2 * P, H, D)).astype(np.float32)
+    v = rng.standard_normal((LAYERS, n + 2 * P, H, D)).astype(np.float32)
     q = rng.standard_normal((1, H, G, D)).astype(np.float32)
     one, two = _atlas(dtype, 3, False), _atlas(dtype, 3, False)
     kvs = RowsKv(k, v, "pages"), RowsKv(k, v, "pages")
@@ -198,6 +198,41 @@ def test_a_mapped_page_failing_its_check_raises_as_the_two_calls_do(dtype):
         two.attend_heads(kvs[1], 0, range(H), q, n + 1, policy)
     assert cache_state(one) == cache_state(two)
     assert _telemetry(one) == _telemetry(two)
+    last = [{k: v for k, v in vars(a.telemetry().last_call).items() if "seconds" not in k}
+            for a in (one, two)]
+    assert last[0] == last[1]
+    # and the atlases go on alike (the free slots in the same order): the next tokens
+    kvs[0].corrupt = kvs[1].corrupt = None
+    for t in range(n + 1, n + 2 * P):
+        k_st, v_st = one.stored_rows(t, k[0, t:t + 1], v[0, t:t + 1])
+        got = one.write_attend(kvs[0], 0, t, k_st, v_st, q, policy)
+        two.write_stored(0, t, k_st, v_st, policy)
+        assert np.array_equal(got, two.attend_heads(kvs[1], 0, range(H), q, t + 1, policy))
+        assert cache_state(one) == cache_state(two)
+
+
+def test_a_decode_walk_that_finds_a_bad_page_leaves_no_result_in_out():
+    """out, handed to the compiled walk, holds NaN after a mapped page fails its check (not
+    attention over the damaged page)."""
+    from cfr_atlas.errors import CorruptPageError
+
+    rng = np.random.default_rng(4)
+    n = 2 * P + 1
+    k = rng.standard_normal((LAYERS, n + 1, H, D)).astype(np.float32)
+    v = rng.standard_normal((LAYERS, n + 1, H, D)).astype(np.float32)
+    q = rng.standard_normal((1, H, G, D)).astype(np.float32)
+    atlas, kv = _atlas("float16", 1, False), RowsKv(k, v, "pages")
+    kv.dtype, kv.dv, kv.storage = np.uint16, D, StorageDtype.FLOAT16
+    policy = KeepRecent(recent_tokens=P)
+    for t in range(n):
+        k_st, v_st = atlas.stored_rows(t, k[0, t:t + 1], v[0, t:t + 1])
+        atlas.write_attend(kv, 0, t, k_st, v_st, q, policy)
+    kv.corrupt = (0, 1, 0)
+    k_st, v_st = atlas.stored_rows(n, k[0, n:n + 1], v[0, n:n + 1])
+    out = np.zeros((1, H, G, D), np.float32)
+    with pytest.raises(CorruptPageError, match="checksum mismatch"):
+        assert atlas.decode_attend(kv, 0, n, k_st, v_st, q, out) is not None
+    assert np.isnan(out).all()
 
 
 def _two_atlases_five_rows_in(seed: int):

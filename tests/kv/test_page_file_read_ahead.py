@@ -266,7 +266,7 @@ def test_a_one_row_store_into_a_cold_dense_layer_starts_the_pulls(spill, pulls, 
     np.testing.assert_array_equal(stored.view(np.float16), np.ones(D, np.float16))
 
 
-def test_one_probe_a_token_stands_for_its_later_dense_layers(spill, monkeypatch):
+def test_one_probe_a_token_stands_for_its_later_dense_layers(spill, pulls, monkeypatch):
     """A decode token's one-row stores ask whether the page cache holds a dense layer once,
     at the first layer it writes; the later layers of that token are not asked, and wait
     for their pull when the first found the file cold."""

@@ -2,17 +2,23 @@
 
 A decode token's attention for one layer writes T new rows (T = 1 when decoding) into the
 page each K/V head is growing, then folds every page lo.. of every head. When that page is
-resident and holds exactly the rows before the new ones, and every other page of the walk is
-either resident and whole or held in place by the regenerator's mapping (the spill page file),
-the whole layer is two compiled calls: `look` (which pages are not resident: what the
-regenerator is asked to map) and `append_fold` (the rows appended, the walk arrays, the fold
-and merge with each mapped page's checksum checked, the recency marks). Anything else (a new
-page, a stale partial page, a page the mapping lacks) is reported, with nothing written, and
-the caller takes the general path.
+not a new one (the rows are not its first), is resident with exactly the rows before the new
+ones or not resident at all (its rows are then the regenerator's alone, as the general path
+leaves them), and every other page of the walk is either resident and whole or held in place
+by the regenerator's mapping (the spill page file), the layer's attention is two compiled
+calls: `look` (which pages are not resident: what the regenerator is asked to map) and
+`append_fold` (the rows appended, the walk arrays, the fold and merge with each mapped page's
+checksum checked, the recency marks). Anything else (a new page, a stale partial page, a page
+the mapping lacks) is reported, with nothing written, and the caller takes the general path.
 
 The tables (slot, tokens, last_use: (heads, pages) int64) and slabs are `HotCache`'s: only its
-methods call these kernels. The fold is `fold._fold_walk`, the kernel every walk uses, so the
-result is bitwise that of the general path. No policy, accounting or telemetry here.
+methods call these kernels. The fold is `fold._fold_walk` (`fold.fold_hot`'s and
+`fold.fold_walk`'s kernel), whose work items are the general path's (`_fold_item`,
+`_merge_item`), so the result is bitwise that of the general path. No policy, accounting or
+telemetry here. numba's cache: `append_fold` compiles the fold's kernels into this module's
+cache entry, which numba renews only when this file changes; after editing fold.py (or
+page_sum.py, storage.py) in a checkout, delete the `__pycache__/*.nbi` files (a release
+rewrites every file, so installs are not affected).
 """
 
 from __future__ import annotations
@@ -93,9 +99,11 @@ def append_fold(slot, tokens, last_use, k_hot, v_hot, heads, start, k_st, v_st, 
                 fold_parallel, merge_parallel, bad):
     """The mapped decode walk of one layer in one call (module docstring): pages lo.. of table
     rows `heads` are read from the hot slab where resident, else from the regenerator's slabs
-    (k_map, v_map) at map_slot with checksum map_expect (`map_missing` set: it lacks the page).
-    If the rows (T, H, D) do not grow every head's resident page in place, or a page is neither
-    resident and whole nor mapped, returns (-1, 0, 0, 0) with nothing written. Else appends the
+    (k_map, v_map) at map_slot with checksum map_expect (`map_missing` set: it lacks the page);
+    map_slot, map_expect, map_missing, bad are (H, NP) for the H = len(heads) heads (the
+    caller checks). If the rows (T, H, D) do not continue each head's growing page (resident
+    with the rows before them, or not resident), or a page is neither resident and whole nor
+    mapped, returns (-1, 0, 0, 0) with nothing written. Else appends the
     rows at tick_w (to the heads whose growing page is resident: the rows of the others are
     the regenerator's alone, as the general path leaves them), folds and merges into out (as
     `fold.fold_walk` over the same walk), marks the resident pages at tick_a unless a mapped

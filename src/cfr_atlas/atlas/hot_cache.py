@@ -14,7 +14,8 @@ Per layer, three tables indexed [kv_head, page_index] say where a page lives (`s
 not resident), how many tokens it holds (`tokens`) and when it was last used (`last_use`, a
 call counter). The fold reads the tables with NumPy, so an all-hot call costs no per-page
 Python. Only this class writes them: the runtime asks it to `admit`, `grow`, `append`,
-`evict`, `truncate`.
+`evict`, `truncate`, and for the decode walk over resident and mapped pages (`append_fold`: its
+tables and slabs handed to one compiled call, atlas/decode_walk.py, which also folds).
 
 Invariants (checked by the stateful test):
 - held_bytes == slots held x page_bytes <= budget, and per layer <= the layer budget;
@@ -39,7 +40,6 @@ import numpy as np
 
 from cfr_atlas.atlas import decode_walk
 from cfr_atlas.atlas.config import AtlasConfig
-from cfr_atlas.atlas.decode_walk import append_walk
 from cfr_atlas.atlas.pages import PageKey
 
 
@@ -383,14 +383,13 @@ class HotCache:
                             start // self.page_tokens, (tick, tick)) is not None
 
     def append_walk(self, layer: int, start: int, k_st: np.ndarray, v_st: np.ndarray,
-                    lo: int, ticks: tuple[int, int] | None) -> np.ndarray | None:
+                    lo: int, ticks: tuple[int, int]) -> np.ndarray | None:
         """The decode path in one call: when `append` applies to every head 0..H-1 of the rows
         (T, H, D) and every page lo.. of those heads is then resident and whole (a walk of the
         new context with no miss), append the rows (at ticks[0]), touch the walk's pages (at
         ticks[1], as a fold's `touch` would) and return the walk's slots (H, NP). Else change
-        nothing and return None (the caller takes the general path). ticks None: only look
-        (the slots are returned, nothing is written). A walk with misses a regenerator maps:
-        `walk_misses` and `append_fold`."""
+        nothing and return None (the caller takes the general path). A walk with misses a
+        regenerator maps: `walk_misses` and `append_fold`."""
         return self._append(layer, all_heads(k_st.shape[1]), start, k_st, v_st, lo, ticks)
 
     def _append(self, layer, heads, start, k_st, v_st, lo, ticks) -> np.ndarray | None:
@@ -403,13 +402,11 @@ class HotCache:
         if not (0 <= lo < n_pages <= lay.slot.shape[1] and heads.max() < lay.slot.shape[0]):
             return None
         slots = np.empty((len(heads), n_pages - lo), dtype=np.int64)
-        write = ticks is not None
-        tick_w, tick_a = ticks if write else (0, 0)
-        if not append_walk(lay.slot, lay.tokens, lay.last_use, self.k, self.v, heads, start,
-                            k_st, v_st, lo, tick_w, tick_a, slots, write, False):
+        if not decode_walk.append_walk(lay.slot, lay.tokens, lay.last_use, self.k, self.v,
+                                       heads, start, k_st, v_st, lo, ticks[0], ticks[1], slots,
+                                       True, False):
             return None
-        if write:
-            self._account(lay, T * len(heads) * self.row_bytes, 0)
+        self._account(lay, T * len(heads) * self.row_bytes, 0)
         return slots
 
     def walk_misses(self, layer: int, n_heads: int, start: int, n_rows: int,
@@ -430,12 +427,13 @@ class HotCache:
 
     def append_fold(self, layer: int, start: int, k_st: np.ndarray, v_st: np.ndarray, lo: int,
                     ticks: tuple[int, int], fold_args: tuple) -> tuple[int, int, int]:
-        """`append_walk(..., (ticks[0], -1), misses=True)` (a head whose growing page is not
-        resident takes no rows), the fold of the walk whose pages not resident are mapped,
+        """`decode_walk.append_walk`'s write with misses allowed (a head whose growing page is
+        not resident takes no rows), the fold of the walk whose pages not resident are mapped,
         then the recency marks of the resident pages at ticks[1] unless a mapped page failed
         its check, in one compiled call (`decode_walk.append_fold` says what fold_args holds):
         (resident pages, mapped tokens, failed pages), or (-1, 0, 0) with nothing written
         when the walk does not apply. Outside a transaction (the marks are not journaled)."""
+        assert self._journal is None, "append_fold writes outside a transaction only"
         lay = self.layers[layer]
         heads = all_heads(k_st.shape[1])
         res = decode_walk.append_fold(lay.slot, lay.tokens, lay.last_use, self.k, self.v,

@@ -252,8 +252,8 @@ class Atlas:
         reads is then hot, the write, the recency marks, the fold and the merge are two
         compiled calls (`HotCache.append_walk`, `fold.fold_hot`) instead of two walks in
         Python; with a regenerator that maps pages (the spill page file), when every page not
-        hot is read in place from its mapping, `HotCache.walk_misses`, `map_pages` and
-        `HotCache.append_fold`. Any other case (a new page, a page to regenerate, a
+        hot (a growing page too) is read in place from its mapping, `HotCache.walk_misses`,
+        `map_pages` and `HotCache.append_fold`. Any other case (a new page, a page to regenerate, a
         checked-out argument) takes the two calls themselves, which raise what they raise."""
         cfg = self.config
         fast = (isinstance(k_st, np.ndarray) and k_st.ndim == 3
@@ -287,9 +287,10 @@ class Atlas:
         storage dtype as `stored_rows` returns them, query (T, H, G, D) float32 C-contiguous
         and finite, a valid scale (None: the config's) and window, the other score options at
         their defaults, out None or (T, H, G, Dv) float32. Returns the attention (out) when
-        the rows grow resident pages in place and every page the query reads is hot or mapped,
-        exactly what `write_attend` returns and records then; else None, with nothing changed
-        (the caller takes `write_attend`)."""
+        `write_attend`'s compiled walk applies (the rows grow resident pages in place, or with
+        a regenerator that maps pages continue pages it maps, and every page the query reads
+        is hot or mapped), exactly what `write_attend` returns and records then; else None,
+        with nothing changed (the caller takes `write_attend`)."""
         cfg = self.config
         T, H, G = query.shape[:3]
         if (k_st.shape != (T, H, cfg.head_dim) or k_st.dtype != cfg.dtype.array_dtype
@@ -319,8 +320,9 @@ class Atlas:
             if slots is None:  # not all hot
                 return None
             return self._fold_hot(q, context, lo, slots, args, out)
-        # A regenerator that maps pages: the walk applies when the rows grow resident pages in
-        # place and the regenerator maps every page that is not hot (it is told what the fold
+        # A regenerator that maps pages: the walk applies when the rows continue each head's
+        # growing page (resident, or not resident at all) and the regenerator maps every page
+        # that is not hot (it is told what the fold
         # reads first: its read-ahead follows the folds); if it refuses, the two general calls
         # run and raise what they raise, after the write.
         need = self.cache.walk_misses(layer, k_st.shape[1], start, T, lo)
@@ -489,8 +491,9 @@ class Atlas:
         return float(scale), cap, alibi, win, sinks
 
     def _begin_walk(self, q, context, args, out) -> tuple:
-        """What both compiled walks do first: the ticks of the write and attend calls, the
-        peak, no scratch used; returns out (allocated if None), the query positions, the score
+        """What the all-hot walk does first (`_fold_mapped` does the same after its call: it
+        may find the walk does not apply): the ticks of the write and attend calls, the peak,
+        no scratch used; returns out (allocated if None), the query positions, the score
         options in kernel form and the sinks."""
         scale, cap, alibi, win, sinks = args
         self._tick += 2
@@ -524,7 +527,8 @@ class Atlas:
         checksum checked (a mismatch raised before the result is used), the recency marks, in
         one compiled call (`HotCache.append_fold`); the counters of a write call and of the
         attend call the general path makes (mapped pages count as regenerated). None, nothing
-        changed, when the walk does not apply (a page neither hot nor mapped)."""
+        changed, when the walk does not apply (a page neither hot nor mapped). On a page that
+        fails its check, `out` is left NaN."""
         cfg = self.config
         context = start + q.shape[0]
         scale, cap, alibi, win, sinks = args
@@ -532,7 +536,11 @@ class Atlas:
             out = np.empty(q.shape[:3] + (cfg.out_dim,), dtype=np.float32)
         qpos = np.arange(context - q.shape[0], context, dtype=np.int64)
         span = (lo, context, cfg.split_pages)
-        bad = np.zeros(maps.slot.shape, dtype=np.uint8)
+        shape = (k_st.shape[1], lens.shape[0])
+        if not maps.slot.shape == maps.expect.shape == maps.missing.shape == shape:
+            raise DimensionError(f"map_pages returned tables of {maps.slot.shape}, "
+                                 f"{maps.expect.shape}, {maps.missing.shape} for {shape} pages")
+        bad = np.zeros(shape, dtype=np.uint8)
         fold_args = (self._scratch_k, self._scratch_v, maps.k, maps.v, maps.slot, maps.expect,
                      maps.missing, lens, q, qpos, context, cfg.split_pages, np.float32(scale),
                      np.float32(cap), alibi, win, self._fmt, sinks, out,
@@ -550,8 +558,13 @@ class Atlas:
         c = self._last = Counters(calls=1, pages_folded=n_head * n_pg, hot_hits=n_hot,
                                   tokens_consumed=(context - lo * cfg.page_tokens) * n_head,
                                   fold_seconds=seconds)
-        if n_bad:  # a mapped page failed its check: raise as the two calls would
+        if n_bad:  # a mapped page failed its check: raise as the two calls would (the
+            # attend call's counters and undo; out holds no result)
             self._total.calls += 1  # the write call
+            self._last = Counters(calls=1)
+            self.cache.begin()
+            self.cache.rollback()
+            out.fill(np.nan)
             self._check_walk(layer, range(n_head), (lo + np.arange(n_pg)) * cfg.page_tokens,
                              lens, bad, bad)
         c.regenerations = n_head * n_pg - n_hot  # mapped pages count as regenerated

@@ -512,7 +512,8 @@ class SpillKv:
         needed pages (the last layers' wrap to the first of the next token). The oldest page
         of a layer (its first range) stands for all of it: the page cache evicts the oldest
         first. `pulled`: the one-row write just before this fold saw to this layer's pages
-        (`_fetch_write_target`)."""
+        (`_fetch_write_target`: probed them, or, for a later dense layer of the token, waited
+        for their pull if one ran)."""
         if not (self._sparse[layer] or pulled):
             self._pull(layer, lambda: self._cold(layer))
         for step in range(READ_AHEAD_LAYERS + 1):
