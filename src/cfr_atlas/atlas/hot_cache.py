@@ -394,14 +394,11 @@ class HotCache:
 
     def _append(self, layer, heads, start, k_st, v_st, lo, ticks) -> np.ndarray | None:
         """`append` / `append_walk` for table rows `heads`: the walk's slots, or None."""
-        lay = self.layers.get(layer)
+        T = k_st.shape[0]
+        lay = self._walk_tables(layer, int(heads.max()) + 1, start + T, lo)
         if lay is None:
             return None
-        T = k_st.shape[0]
-        n_pages = -(-(start + T) // self.page_tokens)
-        if not (0 <= lo < n_pages <= lay.slot.shape[1] and heads.max() < lay.slot.shape[0]):
-            return None
-        slots = np.empty((len(heads), n_pages - lo), dtype=np.int64)
+        slots = np.empty((len(heads), -(-(start + T) // self.page_tokens) - lo), dtype=np.int64)
         if not decode_walk.append_walk(lay.slot, lay.tokens, lay.last_use, self.k, self.v,
                                        heads, start, k_st, v_st, lo, ticks[0], ticks[1], slots,
                                        True, False):
@@ -409,17 +406,25 @@ class HotCache:
         self._account(lay, T * len(heads) * self.row_bytes, 0)
         return slots
 
+    def _walk_tables(self, layer: int, n_heads: int, end: int, lo: int) -> _Layer | None:
+        """`layer`'s tables if they cover heads 0..n_heads-1 and pages lo.. of a context of
+        `end` tokens (a walk from page lo), else None."""
+        lay = self.layers.get(layer)
+        n_pages = -(-end // self.page_tokens)
+        if lay is None or not (0 <= lo < n_pages <= lay.slot.shape[1]
+                               and n_heads <= lay.slot.shape[0]):
+            return None
+        return lay
+
     def walk_misses(self, layer: int, n_heads: int, start: int, n_rows: int,
                     lo: int) -> np.ndarray | None:
         """Whether `append_fold` can take n_rows rows of heads 0..n_heads-1 from `start`
         (`decode_walk.look`), nothing written: None when it cannot, else (H, NP) bool, True
         where page lo + i of head h is not resident (what a mapping regenerator is asked)."""
-        lay = self.layers.get(layer)
-        n_pages = -(-(start + n_rows) // self.page_tokens)
-        if lay is None or not (0 <= lo < n_pages <= lay.slot.shape[1]
-                               and n_heads <= lay.slot.shape[0]):
+        lay = self._walk_tables(layer, n_heads, start + n_rows, lo)
+        if lay is None:
             return None
-        need = np.empty((n_heads, n_pages - lo), dtype=np.bool_)
+        need = np.empty((n_heads, -(-(start + n_rows) // self.page_tokens) - lo), dtype=np.bool_)
         if not decode_walk.look(lay.slot, lay.tokens, self.k, self.v, n_heads, start, n_rows,
                                 lo, need):
             return None

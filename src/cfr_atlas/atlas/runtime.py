@@ -490,25 +490,27 @@ class Atlas:
         sinks = _per_head("sink", sinks, n_head, n_grp, np.nan)
         return float(scale), cap, alibi, win, sinks
 
-    def _begin_walk(self, q, context, args, out) -> tuple:
-        """What the all-hot walk does first (`_fold_mapped` does the same after its call: it
-        may find the walk does not apply): the ticks of the write and attend calls, the peak,
-        no scratch used; returns out (allocated if None), the query positions, the score
-        options in kernel form and the sinks."""
-        scale, cap, alibi, win, sinks = args
+    def _walk_out(self, q, context, out) -> tuple:
+        """The compiled walks' output and query positions: out (allocated if None), qpos (T,)."""
+        if out is None:
+            out = np.empty(q.shape[:3] + (self.config.out_dim,), dtype=np.float32)
+        return out, np.arange(context - q.shape[0], context, dtype=np.int64)
+
+    def _walk_taken(self) -> None:
+        """What a compiled walk that applied records first: the ticks of the write and attend
+        calls, the peak (the rows it appended included), no scratch used."""
         self._tick += 2
         self._peak = max(self._peak, self.cache.resident_bytes)
         self._scratch_used = False
-        if out is None:
-            out = np.empty(q.shape[:3] + (self.config.out_dim,), dtype=np.float32)
-        qpos = np.arange(context - q.shape[0], context, dtype=np.int64)
-        return out, qpos, (np.float32(scale), np.float32(cap), alibi, win, self._fmt), sinks
 
     def _fold_hot(self, q, context, lo, slots, args, out=None) -> np.ndarray:
         """`write_attend`'s compiled path after `append_walk` wrote the rows and marked the
         walk: the counters of a write call and an all-hot attend call, the fold and merge."""
         cfg = self.config
-        out, qpos, score, sinks = self._begin_walk(q, context, args, out)
+        scale, cap, alibi, win, sinks = args
+        self._walk_taken()
+        out, qpos = self._walk_out(q, context, out)
+        score = (np.float32(scale), np.float32(cap), alibi, win, self._fmt)
         n_head, n_pg = slots.shape
         slabs = (self.cache.k, self.cache.v, self._scratch_k, self._scratch_v) + self._no_map
         t0 = time.perf_counter()
@@ -532,9 +534,7 @@ class Atlas:
         cfg = self.config
         context = start + q.shape[0]
         scale, cap, alibi, win, sinks = args
-        if out is None:
-            out = np.empty(q.shape[:3] + (cfg.out_dim,), dtype=np.float32)
-        qpos = np.arange(context - q.shape[0], context, dtype=np.int64)
+        out, qpos = self._walk_out(q, context, out)
         span = (lo, context, cfg.split_pages)
         shape = (k_st.shape[1], lens.shape[0])
         if not maps.slot.shape == maps.expect.shape == maps.missing.shape == shape:
@@ -551,9 +551,7 @@ class Atlas:
         seconds = time.perf_counter() - t0
         if n_hot < 0:
             return None
-        self._tick += 2
-        self._peak = max(self._peak, self.cache.resident_bytes)
-        self._scratch_used = False
+        self._walk_taken()
         n_head, n_pg = bad.shape
         c = self._last = Counters(calls=1, pages_folded=n_head * n_pg, hot_hits=n_hot,
                                   tokens_consumed=(context - lo * cfg.page_tokens) * n_head,
