@@ -86,3 +86,16 @@ def test_serve_refuses_a_bad_prefix_store(monkeypatch, tiny_llama, capsys):
     assert cli.main(["serve", "--model", str(tiny_llama), "--prefix-store",
                      "redis://127.0.0.1:1/0", "--prefix-store-ttl", "0"]) == 2
     assert "prefix_store_ttl" in capsys.readouterr().err
+
+
+def test_serve_releases_the_main_threads_kernel_pool_before_serving(monkeypatch, tiny_llama):
+    """The scheduler thread runs every kernel once serving starts: the pool the warm-up built
+    on the main thread is freed first (kernel_threads.py: kept, it makes the scheduler's
+    parallel kernels sleep at every barrier)."""
+    import cfr_atlas.serve.app as app_mod
+
+    order = []
+    monkeypatch.setattr(app_mod, "release_pool", lambda: order.append("release") or True)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: order.append("run"))
+    assert cli.main(["serve", "--model", str(tiny_llama)]) == 0
+    assert order == ["release", "run"]

@@ -1,0 +1,36 @@
+"""The kernels' worker threads: releasing the OpenMP pool a thread no longer uses.
+
+numba's `omp` threading layer (GNU OpenMP, libgomp) gives every thread that starts a parallel
+kernel its own team of workers, kept until that thread exits. While the process manages more
+OpenMP threads than it has CPUs, libgomp's workers stop spinning between parallel regions (its
+throttled spin count) and sleep at every barrier, so each of the ~120 parallel kernels of a
+decode token pays a futex wake-up. Measured with the bundled model (int8, 2 CPUs, 128 greedy
+tokens): 1.1-1.4 s from the thread that ran the first kernels or from a fresh thread, 3.6-3.7 s
+from a second thread while the first one's pool lives (2.5 s with OMP_WAIT_POLICY=ACTIVE,
+whose idle pool spins on a core).
+
+A program whose model work moves to another thread calls `release_pool()` on the first one
+once it is done there: the server loads and warms up the model on the main thread, then steps
+it on its scheduler thread. Nothing here changes a result: only which threads run the same
+kernels. This module holds no kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+_OMP_PAUSE_HARD = 2  # OpenMP 5.0's omp_pause_hard: free the threads and their state
+
+
+def release_pool() -> bool:
+    """Free the calling thread's OpenMP worker pool (libgomp's `omp_pause_resource_all`).
+
+    True when libgomp is loaded and freed it; False when it is not loaded (another threading
+    layer, or no parallel kernel has run in this process) or refused (called inside a parallel
+    region). The next parallel kernel this thread runs builds a new pool."""
+    try:
+        gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)
+    except OSError:
+        return False
+    return gomp.omp_pause_resource_all(ctypes.c_int(_OMP_PAUSE_HARD)) == 0
