@@ -86,13 +86,30 @@ def test_activation_scale_and_range():
     assert np.all(err <= d[..., None] * np.float32(0.5 + 1e-5))
 
 
-@pytest.mark.parametrize("shape", [(1, 32), (7, 64), (33, 576)])
+@pytest.mark.parametrize("shape", [(1, 32), (7, 64), (33, 576), (256, 576)])
 def test_activation_kernel_equals_twin(shape):
+    """(256, 576) is past PARALLEL_ELEMENTS: the threads share the rows."""
     x = _x(*shape, seed=shape[0])
     x[0, :3] = [1e-40, -1e-40, 3e38]
     for a, b in zip(int8.quantize(x), int8.quantize_numpy(x), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_activation_kernels_one_thread_or_two_alike():
+    """The serial and the parallel kernel give the same bits at any size (quantize picks one
+    by size alone)."""
+    x = _x(9, 96, seed=4)
+    x[1, :2] = [np.inf, 1e-40]
+    outs = []
+    for kernel in (int8.quantize_rows, int8._quantize_rows_parallel):
+        xq = np.empty(x.shape, dtype=np.int8)
+        xd = np.empty((9, 3), dtype=np.float32)
+        xsum = np.empty((9, 3), dtype=np.int32)
+        kernel(x, xq, xd, xsum)
+        outs.append((xq, xd.view(np.uint32), xsum))
+    for a, b in zip(*outs, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 # --- kernels -------------------------------------------------------------------------------------
