@@ -53,3 +53,22 @@ def test_release_pool_without_a_parallel_kernel_is_harmless():
     out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
                          timeout=120, check=True)
     assert json.loads(out.stdout.strip()) in ([False, False], [True, True])
+
+
+def test_run_kernels_alone_sets_the_calling_thread_only():
+    import threading
+
+    import numba
+
+    from cfr_atlas.kernel_threads import run_kernels_alone
+
+    before, seen = numba.get_num_threads(), []
+
+    def background():
+        run_kernels_alone()
+        seen.append(numba.get_num_threads())
+
+    t = threading.Thread(target=background)
+    t.start()
+    t.join()
+    assert seen == [1] and numba.get_num_threads() == before

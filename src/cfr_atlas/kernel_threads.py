@@ -11,8 +11,11 @@ whose idle pool spins on a core).
 
 A program whose model work moves to another thread calls `release_pool()` on the first one
 once it is done there: the server loads and warms up the model on the main thread, then steps
-it on its scheduler thread. Nothing here changes a result: only which threads run the same
-kernels. This module holds no kernels.
+it on its scheduler thread. A background thread that runs kernels beside the compute thread
+(the expert prefetcher) calls `run_kernels_alone()` first: its kernels then run on itself, and
+no second team of workers exists to throttle the compute thread's. Nothing here changes a
+result (every parallel kernel's bits are independent of its thread count): only which threads
+run the same kernels. This module holds no kernels.
 """
 
 from __future__ import annotations
@@ -34,3 +37,11 @@ def release_pool() -> bool:
     except OSError:
         return False
     return gomp.omp_pause_resource_all(ctypes.c_int(_OMP_PAUSE_HARD)) == 0
+
+
+def run_kernels_alone() -> None:
+    """Run the calling thread's parallel kernels on itself alone (numba's thread count is
+    per thread): for a background thread beside the compute thread, which keeps both cores."""
+    import numba
+
+    numba.set_num_threads(1)

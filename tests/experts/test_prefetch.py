@@ -313,3 +313,22 @@ def test_a_layer_is_cached_once_each_of_its_tensors_is(model):
             m.data.reshape(-1).view(np.uint8)[::mmap.PAGESIZE].sum()  # fault every page in
         src._warm.clear()
         assert src.cached(layer)
+
+
+def test_the_prefetcher_runs_its_kernels_on_itself_alone(model, monkeypatch):
+    """Its loads run beside the compute thread's kernels: one thread, so no second team of
+    OpenMP workers exists (kernel_threads.py), and the compute thread's count is untouched."""
+    import numba
+
+    store = model.net.set_experts(4 * model.net.experts.slot_bytes)
+    seen = []
+    write = type(store).write
+    monkeypatch.setattr(type(store), "write",
+                        lambda self, key, slot: seen.append(numba.get_num_threads())
+                        or write(self, key, slot))
+    main_threads = numba.get_num_threads()
+    store.prefetcher.request(1, [3, 6])
+    _idle(store)
+    assert seen == [1, 1]
+    assert numba.get_num_threads() == main_threads
+    model.net.set_experts(None)

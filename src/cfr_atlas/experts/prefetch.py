@@ -27,6 +27,8 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from cfr_atlas.kernel_threads import run_kernels_alone
+
 IDLE_SECONDS = 0.5
 TRUST_TO_EVICT = 0.5  # evict for a layer's predictions only while at least this share was used
 PROBATION = 0.05  # trust regained per request while below (so a layer is tried again)
@@ -93,6 +95,9 @@ class Prefetcher:
         self.store.lock.notify_all()
 
     def _work(self) -> None:
+        # the compute thread's kernels keep both cores; a second team of workers here would
+        # make every team sleep at its barriers (kernel_threads.py)
+        run_kernels_alone()
         store = self.store
         while True:
             with store.lock:
