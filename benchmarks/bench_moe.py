@@ -353,6 +353,8 @@ def _plot(rows, path) -> None:
 
 def main(argv=None) -> int:
     a = _args(argv)
+    if a.dir is not None:
+        os.makedirs(a.dir, exist_ok=True)  # the file's folder: made if it does not exist
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
         path = _write(a, Path(tmp))
         first = {**sequential_read(path), "loadavg": os.getloadavg()[0]}

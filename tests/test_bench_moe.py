@@ -10,7 +10,9 @@ import json
 def test_quick_run_prints_table_and_every_row_is_exact(load_benchmark, tmp_path, capsys):
     bench = load_benchmark("bench_moe")
     out_json = tmp_path / "rows.json"
-    assert bench.main(["--quick", "--json", str(out_json), "--dir", str(tmp_path)]) == 0
+    folder = tmp_path / "not" / "yet"  # --dir is made when it does not exist
+    assert bench.main(["--quick", "--json", str(out_json), "--dir", str(folder)]) == 0
+    assert folder.is_dir() and not any(folder.iterdir())  # the model file's temp folder went
     out = capsys.readouterr().out
     rows = json.loads(out_json.read_text())
     assert [(r["budget"], r["cache"], r["prefetch"]) for r in rows][:5] == [
