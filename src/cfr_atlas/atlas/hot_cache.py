@@ -379,8 +379,10 @@ class HotCache:
         """The decode fast path: rows (T, H, D) of tokens start.. for `heads` when every head's
         page is resident, holds exactly the rows before `start` and has room for T more; then
         all heads grow in one compiled write (what `grow` does head by head). Else False."""
-        return self._append(layer, np.asarray(heads, dtype=np.int64), start, k_st, v_st,
-                            start // self.page_tokens, (tick, tick)) is not None
+        rows = np.asarray(heads, dtype=np.int64)
+        n_rows = int(rows.max()) + 1 if rows.size else 0
+        return self._append(layer, rows, n_rows, start, k_st, v_st, start // self.page_tokens,
+                            (tick, tick)) is not None
 
     def append_walk(self, layer: int, start: int, k_st: np.ndarray, v_st: np.ndarray,
                     lo: int, ticks: tuple[int, int]) -> np.ndarray | None:
@@ -390,12 +392,14 @@ class HotCache:
         ticks[1], as a fold's `touch` would) and return the walk's slots (H, NP). Else change
         nothing and return None (the caller takes the general path). A walk with misses a
         regenerator maps: `walk_misses` and `append_fold`."""
-        return self._append(layer, all_heads(k_st.shape[1]), start, k_st, v_st, lo, ticks)
+        H = k_st.shape[1]
+        return self._append(layer, all_heads(H), H, start, k_st, v_st, lo, ticks)
 
-    def _append(self, layer, heads, start, k_st, v_st, lo, ticks) -> np.ndarray | None:
-        """`append` / `append_walk` for table rows `heads`: the walk's slots, or None."""
+    def _append(self, layer, heads, n_rows, start, k_st, v_st, lo, ticks) -> np.ndarray | None:
+        """`append` / `append_walk` for table rows `heads` (all below n_rows): the walk's
+        slots, or None."""
         T = k_st.shape[0]
-        lay = self._walk_tables(layer, int(heads.max()) + 1, start + T, lo)
+        lay = self._walk_tables(layer, n_rows, start + T, lo)
         if lay is None:
             return None
         slots = np.empty((len(heads), -(-(start + T) // self.page_tokens) - lo), dtype=np.int64)
