@@ -354,6 +354,8 @@ def _plot(rows, path) -> None:
 def main(argv=None) -> int:
     a = _args(argv)
     if a.dir is not None:
+        if os.path.exists(a.dir) and not os.path.isdir(a.dir):
+            raise SystemExit(f"bench_moe: --dir {a.dir} is a file, not a folder")
         os.makedirs(a.dir, exist_ok=True)  # the file's folder: made if it does not exist
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
         path = _write(a, Path(tmp))

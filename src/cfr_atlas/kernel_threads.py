@@ -23,20 +23,29 @@ from __future__ import annotations
 import ctypes
 import os
 
-_OMP_PAUSE_HARD = 2  # OpenMP 5.0's omp_pause_hard: free the threads and their state
+# OpenMP 5.0's omp_pause_soft. GNU libgomp ignores the kind (either frees the calling thread's
+# pool); LLVM's libomp, which some installs link as libgomp.so.1, shuts its whole runtime
+# down on a hard pause, so the gentler kind is asked for.
+_OMP_PAUSE_SOFT = 1
 
 
 def release_pool() -> bool:
     """Free the calling thread's OpenMP worker pool (libgomp's `omp_pause_resource_all`).
 
-    True when libgomp is loaded and freed it; False when it is not loaded (another threading
-    layer, or no parallel kernel has run in this process) or refused (called inside a parallel
-    region). The next parallel kernel this thread runs builds a new pool."""
+    True when a loaded libgomp freed it. False when none is loaded (numba's `tbb` or
+    `workqueue` layer and nothing else loaded one, or no parallel kernel has run yet), when
+    it predates OpenMP 5.0 (GCC < 9: no such call) or when it refused (called inside a
+    parallel region). Never loads libgomp itself. The next parallel kernel this thread runs
+    builds a new pool."""
     try:
         gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)
     except OSError:
         return False
-    return gomp.omp_pause_resource_all(ctypes.c_int(_OMP_PAUSE_HARD)) == 0
+    pause = getattr(gomp, "omp_pause_resource_all", None)
+    if pause is None:
+        return False
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause(_OMP_PAUSE_SOFT) == 0
 
 
 def run_kernels_alone() -> None:

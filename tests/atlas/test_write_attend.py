@@ -19,7 +19,7 @@ from cfr_atlas import Atlas, AtlasConfig, KeepAll, KeepRecent
 from cfr_atlas.atlas import fold
 from cfr_atlas.atlas.hot_cache import HotCache
 from cfr_atlas.atlas.storage import StorageDtype
-from cfr_atlas.errors import NumericError, PageError
+from cfr_atlas.errors import DimensionError, NumericError, PageError
 
 D, P, H, G, LAYERS = 8, 4, 2, 3, 2
 # chunks of a sequence: a prompt, single tokens across page ends, a short chunk, more tokens
@@ -264,6 +264,15 @@ def test_errors_leave_the_state_of_the_two_calls():
             two.attend_heads(RowsKv(None, None), 0, range(H), query, 6, **opts)
         assert cache_state(one) == cache_state(two)
         assert _telemetry(one) == _telemetry(two)
+
+
+def test_rows_of_no_head_are_refused():
+    """write_stored of rows for zero K/V heads is a DimensionError, nothing written."""
+    one, two, _, k_st, v_st = _two_atlases_five_rows_in(2)
+    for heads in ([], None):
+        with pytest.raises(DimensionError, match="at least one"):
+            one.write_stored(0, 5, k_st[:, :0], v_st[:, :0], kv_heads=heads)
+    assert cache_state(one) == cache_state(two)
 
 
 def test_a_regenerator_refusing_the_walk_leaves_the_state_of_the_two_calls():

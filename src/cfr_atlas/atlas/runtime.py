@@ -359,9 +359,9 @@ class Atlas:
                                  f"columns, got {k_st.dtype} {k_st.shape} and {v_st.shape}")
         heads = list(range(k_st.shape[1])) if kv_heads is None else [
             _check_index("kv_head", h, 1 << 16) for h in kv_heads]
-        if len(heads) != k_st.shape[1]:
+        if len(heads) != k_st.shape[1] or not heads:
             raise DimensionError(f"kv_heads names {len(heads)} heads but the rows hold "
-                                 f"{k_st.shape[1]}")
+                                 f"{k_st.shape[1]} (at least one)")
         policy = KeepAll() if policy is None else policy
         context = start + k_st.shape[0]
         self._tick += 1

@@ -175,9 +175,11 @@ def _quantize_rows_parallel(x, xq, xd, xsum):
 
 
 # From this many elements the threads share the quantization. Below it, starting the threads
-# costs more than it saves: 8 rows of 576 took 7-8 us on one thread against 10 us on two (23 us
-# with OMP_WAIT_POLICY=PASSIVE); 64 rows of 1,536, 57-60 us against 40 (99 PASSIVE).
-PARALLEL_ELEMENTS = 1 << 17
+# costs more than it saves (one thread against two, OMP_WAIT_POLICY=ACTIVE, which the default
+# resembles between a token's kernels): 8 rows of 576, 7 us against 10; 32 of 1,536 (49,152
+# elements), 31 against 32; two threads win from 128 rows of 576 (73,728: 45 against 37) and
+# 64 of 1,536 (98,304: 60 against 40). With PASSIVE one thread won at every size measured.
+PARALLEL_ELEMENTS = 1 << 16
 
 
 def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
