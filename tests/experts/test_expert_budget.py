@@ -8,6 +8,8 @@ load-time refusals (host memory, formats without a kernel, budgets holding no ex
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
@@ -218,9 +220,33 @@ def test_expert_format_without_kernel_is_refused_at_load():
         ExpertSource([(mat, mat, mat)])
 
 
+def test_the_prefetcher_is_on_by_default_only_with_a_core_of_its_own(model, monkeypatch):
+    import cfr_atlas.experts.store as store_mod
+
+    s = model.net.experts.slot_bytes
+    try:
+        for spare in (False, True):
+            monkeypatch.setattr(store_mod, "spare_core", lambda spare=spare: spare)
+            assert (model.net.set_experts(2 * s).prefetcher is not None) == spare
+    finally:
+        model.net.set_experts(None)
+
+
+def test_spare_core_compares_the_cpus_with_numba_s_threads(monkeypatch):
+    import numba
+
+    from cfr_atlas import kernel_threads
+
+    cpus = len(os.sched_getaffinity(0))
+    assert kernel_threads.spare_core() == (cpus > numba.get_num_threads())
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(numba.get_num_threads())))
+    assert not kernel_threads.spare_core()
+
+
 def test_read_ahead_of_predicted_experts_is_counted_and_changes_nothing(model, base):
     k = model.config.n_experts_used
     store = model.net.set_experts(k * model.net.experts.slot_bytes)
+    store.use_prefetch(True)
     assert np.array_equal(model.logits(IDS, chunk_tokens=5), base[0])
     t = store.telemetry
     # layer 0 predicts layer 1's experts, which are not resident: the thread loads them ahead

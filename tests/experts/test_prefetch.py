@@ -203,6 +203,7 @@ def test_the_page_map_covers_each_expert_s_whole_range():
 
 def test_prefetcher_never_takes_a_leased_slot(model):
     store = model.net.set_experts(4 * model.net.experts.slot_bytes)  # 4 slots
+    store.use_prefetch(True)
     for e in range(4):
         list(store.experts(0, [e]))  # fill the pool with layer 0's experts 0..3
     leased = store.slot_of[(0, 2)]
@@ -224,6 +225,7 @@ def test_prefetcher_never_takes_a_leased_slot(model):
 
 def test_prefetch_hits_and_unused_predictions_are_counted(model):
     store = model.net.set_experts(4 * model.net.experts.slot_bytes)
+    store.use_prefetch(True)
     t = store.telemetry
     store.prefetcher.request(1, [3, 6])
     _idle(store)
@@ -245,6 +247,7 @@ def test_wrong_predictions_cost_only_time(model, base, policy, monkeypatch):
     s, k = model.net.experts.slot_bytes, model.config.n_experts_used
     for budget in (s, k * s, 2 * k * s, model.net.experts.full_bytes // 2):
         store = model.net.set_experts(budget, policy, {(0, 1): 9, (1, 3): 5})
+        store.use_prefetch(True)
         assert np.array_equal(model.logits(IDS, chunk_tokens=5), base), (policy, budget)
         assert np.array_equal(model.logits(IDS[:3]), base[:3])
         t = store.telemetry  # how many loads the thread got in first depends on scheduling
@@ -267,6 +270,7 @@ def test_logits_equal_with_the_prefetcher_on_and_off(model, base):
 
 def test_a_layer_predicted_wrongly_stops_evicting_for_a_while(model):
     store = model.net.set_experts(4 * model.net.experts.slot_bytes)
+    store.use_prefetch(True)
     for e in range(4):
         list(store.experts(0, [e]))  # a full pool: prefetching must evict
     t, loads = store.telemetry, []
@@ -324,6 +328,7 @@ def test_the_prefetcher_runs_its_kernels_on_itself_alone(model, monkeypatch):
     if main_threads < 2:
         pytest.skip("one numba thread: nothing to tell apart")
     store = model.net.set_experts(4 * model.net.experts.slot_bytes)
+    store.use_prefetch(True)
     seen = []
     write = type(store).write
     monkeypatch.setattr(type(store), "write",

@@ -38,6 +38,7 @@ from cfr_atlas.experts import slots
 from cfr_atlas.experts.policies import LruPolicy, victim_slots
 from cfr_atlas.experts.prefetch import Prefetcher
 from cfr_atlas.experts.source import ExpertSource
+from cfr_atlas.kernel_threads import spare_core
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -101,10 +102,12 @@ class ExpertStore:
     experts (float in (0, 1]) or None (every expert resident, filled at load, never evicted).
     `before_alloc(pool_bytes)` runs before the pool is allocated (a host-memory check).
     prefetch: fill the slots of the experts predicted for the next layer on a background
-    thread (only under a bounded budget; `use_prefetch` switches it)."""
+    thread (only under a bounded budget; `use_prefetch` switches it). None: on only when that
+    thread has a core the kernels do not use (`kernel_threads.spare_core`): beside kernels
+    that keep every core busy its loads cost more than they hide (docs/MOE.md)."""
 
     def __init__(self, source: ExpertSource, budget: int | float | None = None, policy=None,
-                 before_alloc=None, prefetch: bool = True):
+                 before_alloc=None, prefetch: bool | None = None):
         self.source = source
         self.n_layers, self.n_experts = len(source.layers), source.n_experts
         self.policy = policy or LruPolicy()
@@ -132,7 +135,7 @@ class ExpertStore:
         self.ahead: set[Key] = set()  # prefetched, not yet used by their step
         self.telemetry = ExpertTelemetry(self.n_layers, self.n_experts, pool_bytes=self.pool.nbytes)
         self.prefetcher: Prefetcher | None = None
-        self.use_prefetch(prefetch)
+        self.use_prefetch(spare_core() if prefetch is None else prefetch)
         if budget is None:
             for i, key in enumerate((lay, e) for lay in range(self.n_layers)
                                     for e in range(self.n_experts)):
