@@ -128,8 +128,8 @@ def serve(config: ServerConfig, **load_kw) -> None:
     app = create_app(model, config)
     _ = app.state.service.grammar  # prepare the structured-output vocabulary (0.2-4 s) now
     # From here the scheduler thread runs every kernel: free the pool the main thread built,
-    # which would otherwise make the scheduler's kernels sleep at every barrier (a token took
-    # 2.3x as long: docs/PERFORMANCE.md, "Session 37")
+    # which would otherwise make the scheduler's kernels sleep at every barrier (a stream's
+    # token took 1.7-2.4x as long: docs/PERFORMANCE.md, "Session 37")
     if not release_pool():
         log.info("no OpenMP pool to release on the main thread (kernel_threads.release_pool)")
     if config.host not in ("127.0.0.1", "localhost", "::1"):
