@@ -13,11 +13,11 @@ A program whose model work moves to another thread calls `release_pool()` on the
 once it is done there: the server loads and warms up the model on the main thread, then steps
 it on its scheduler thread. A background thread that runs kernels beside the compute thread
 (the expert prefetcher) calls `run_kernels_alone()` first: its kernels then run on itself, and
-no second team of workers exists to throttle the compute thread's; `spare_core()` says whether
-such a thread would have a core of its own (the expert prefetcher is on by default only
-then). Nothing here changes a
-result (every parallel kernel's bits are independent of its thread count): only which threads
-run the same kernels. This module holds no kernels.
+no second team of workers exists to throttle the compute thread's. `spare_core()` says whether
+such a thread would have a core of its own (the expert prefetcher is on by default only then).
+
+Nothing here changes a result (every parallel kernel's bits are independent of its thread
+count): only which threads run the same kernels. This module holds no kernels.
 """
 
 from __future__ import annotations
