@@ -25,6 +25,8 @@ from __future__ import annotations
 import ctypes
 import os
 
+import numba
+
 # OpenMP 5.0's omp_pause_soft. GNU libgomp ignores the kind (either frees the calling thread's
 # pool); LLVM's libomp, which some installs link as libgomp.so.1, shuts its whole runtime
 # down on a hard pause, so the gentler kind is asked for.
@@ -53,16 +55,12 @@ def release_pool() -> bool:
 def run_kernels_alone() -> None:
     """Run the calling thread's parallel kernels on itself alone (numba's thread count is
     per thread): for a background thread beside the compute thread, which keeps both cores."""
-    import numba
-
     numba.set_num_threads(1)
 
 
 def spare_core() -> bool:
     """Whether this process may run on more CPUs than numba's kernels use (numba's thread
     count, NUMBA_NUM_THREADS): a background thread then has a core of its own."""
-    import numba
-
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

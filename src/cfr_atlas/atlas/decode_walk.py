@@ -45,9 +45,8 @@ def append_walk(slot, tokens, last_use, k, v, heads, start, k_st, v_st, lo, tick
     if off == 0 or off + n_t > page_tokens or page - lo + 1 != out.shape[1]:
         return False
     for h in heads:
-        if slot[h, page] < 0 and misses:
-            pass
-        elif slot[h, page] < 0 or tokens[h, page] != off:
+        grows = slot[h, page] >= 0  # else absent: allowed with misses (the rows skip it)
+        if (grows and tokens[h, page] != off) or not (grows or misses):
             return False
         for p in range(lo, page):
             if slot[h, p] < 0:

@@ -253,8 +253,9 @@ class Atlas:
         compiled calls (`HotCache.append_walk`, `fold.fold_hot`) instead of two walks in
         Python; with a regenerator that maps pages (the spill page file), when every page not
         hot (a growing page too) is read in place from its mapping, `HotCache.walk_misses`,
-        `map_pages` and `HotCache.append_fold`. Any other case (a new page, a page to regenerate, a
-        checked-out argument) takes the two calls themselves, which raise what they raise."""
+        `map_pages` and `HotCache.append_fold`. Any other case (a new page, a page to
+        regenerate, a checked-out argument) takes the two calls themselves, which raise what
+        they raise."""
         cfg = self.config
         fast = (isinstance(k_st, np.ndarray) and k_st.ndim == 3
                 and isinstance(v_st, np.ndarray) and isinstance(query, np.ndarray)
@@ -322,9 +323,9 @@ class Atlas:
             return self._fold_hot(q, context, lo, slots, args, out)
         # A regenerator that maps pages: the walk applies when the rows continue each head's
         # growing page (resident, or not resident at all) and the regenerator maps every page
-        # that is not hot (it is told what the fold
-        # reads first: its read-ahead follows the folds); if it refuses, the two general calls
-        # run and raise what they raise, after the write.
+        # that is not hot (it is told what the fold reads first: its read-ahead follows the
+        # folds); if it refuses, the two general calls run and raise what they raise, after
+        # the write.
         need = self.cache.walk_misses(layer, k_st.shape[1], start, T, lo)
         if need is None:
             return None
