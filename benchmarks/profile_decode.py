@@ -10,8 +10,8 @@ interleaved so that all see the same minutes of the machine:
   step     the decode step (models/decode.py: a few compiled calls per layer), when the model
            has one;
   pieces   forward_layers' pieces for the same token (decode step off), with the compiled
-           hot walk (`Atlas.write_attend` taking `HotCache.append_walk` + `fold.fold_hot`
-           when every page is hot): the decode path before the step existed;
+           hot walk (`Atlas.write_attend` taking `HotCache.append_fold` when every page is
+           hot): the decode path before the step existed;
   general  the pieces with the compiled walk off too (every layer through `write_stored` +
            `attend_heads`).
 Per token (median over tokens): the total, the time inside the layers' weight products
@@ -88,9 +88,10 @@ def _use_path(model, path: str, step) -> None:
     """Select a path (see the module docstring); "step" restores the model as loaded."""
     model.net.decode_step = step if path == "step" else None
     if path == "general":  # "the walk does not apply": the general calls
-        HotCache.append_walk = HotCache.walk_misses = lambda *a, **k: None
+        HotCache.walk_misses = lambda *a, **k: None
+        HotCache.append_fold = lambda *a, **k: (-1, 0, 0)
     else:
-        HotCache.append_walk, HotCache.walk_misses = HotCache._compiled_walks
+        HotCache.append_fold, HotCache.walk_misses = HotCache._compiled_walks
 
 
 def profile(model, ids: np.ndarray, context: int, tokens: int, rounds: int) -> dict:
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
     return 0
 
 
-HotCache._compiled_walks = HotCache.append_walk, HotCache.walk_misses
+HotCache._compiled_walks = HotCache.append_fold, HotCache.walk_misses
 
 if __name__ == "__main__":
     sys.exit(main())

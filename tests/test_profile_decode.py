@@ -14,11 +14,11 @@ from cfr_atlas.testing import write_tiny_gguf
 
 def test_profile_prints_every_path(load_benchmark, tmp_path, capsys):
     prof = load_benchmark("profile_decode")
-    compiled = HotCache.append_walk, HotCache.walk_misses
+    compiled = HotCache.append_fold, HotCache.walk_misses
     model = write_tiny_gguf(tmp_path / "tiny.gguf", qtype="Q4_1")
     assert prof.main(["--model", str(model), "--contexts", "5,40", "--tokens", "2",
                       "--rounds", "1", "--matmul", "int8"]) == 0
-    assert (HotCache.append_walk, HotCache.walk_misses) == compiled  # switched back on
+    assert (HotCache.append_fold, HotCache.walk_misses) == compiled  # switched back on
     lines = capsys.readouterr().out.splitlines()
     rows = [line.split("|")[1:-1] for line in lines[2:]]
     paths = ("step", "pieces", "general", "pieces / step", "general / step")

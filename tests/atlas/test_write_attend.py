@@ -1,13 +1,12 @@
-"""`Atlas.write_attend`, the decode path: one call that stores a chunk's rows and attends over
-the context they end. Whether it takes a compiled walk (all hot: `HotCache.append_walk` +
-`fold.fold_hot`; with a regenerator that maps pages: `HotCache.append_fold`) or the general
-path, its result, the hot cache (slots, rows held, recency, the rows' bytes), the accounting
-and the telemetry must be exactly those of `write_stored` followed by `attend_heads`: every
-comparison here is `np.array_equal` or `==`, on every storage dtype, with windows, softcap,
-ALiBi, sinks, a latent stream (V a view of K), budgets that force misses, and a page-mapping
-regenerator. The walk itself is checked against a float64 reference in test_exactness.py; here
-the claim is that the one call is the two calls, and that it really is the compiled walk most
-of the time (counted)."""
+"""`Atlas.write_attend`, the decode path: one call that stores a chunk's rows and attends over the
+context they end. Whether it takes the compiled walk (`HotCache.append_fold`: all hot, or with a
+regenerator that maps pages, hot and mapped) or the general path, its result, the hot cache (slots,
+rows held, recency, the rows' bytes), the accounting and the telemetry must be exactly those of
+`write_stored` followed by `attend_heads`: every comparison here is `np.array_equal` or `==`, on
+every storage dtype, with windows, softcap, ALiBi, sinks, a latent stream (V a view of K), budgets
+that force misses, and a page-mapping regenerator. The walk itself is checked against a float64
+reference in test_exactness.py; here the claim is that the one call is the two calls, and that it
+really is the compiled walk most of the time (counted)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ import pytest
 from atlas_reference import cache_state, check_accounting
 
 from cfr_atlas import Atlas, AtlasConfig, KeepAll, KeepRecent
-from cfr_atlas.atlas import fold
 from cfr_atlas.atlas.hot_cache import HotCache
 from cfr_atlas.atlas.storage import StorageDtype
 from cfr_atlas.errors import DimensionError, NumericError, PageError
@@ -113,8 +111,7 @@ def test_write_attend_is_write_then_attend(dtype, score, latent, budget_pages, m
         kv.dtype, kv.dv, kv.storage = StorageDtype(dtype).array_dtype, dv, StorageDtype(dtype)
     policy = KeepAll() if budget_pages is None else KeepRecent(recent_tokens=2 * P)
     compiled, walks = [], []  # compiled walks: all hot, and with mapped pages
-    real, real_walk = fold.fold_hot, HotCache.append_fold
-    monkeypatch.setattr(fold, "fold_hot", lambda *a: compiled.append(1) or real(*a))
+    real_walk = HotCache.append_fold
 
     def append_fold(*a):
         res = real_walk(*a)

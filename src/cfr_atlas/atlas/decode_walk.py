@@ -8,17 +8,18 @@ leaves them), and every other page of the walk is either resident and whole or h
 by the regenerator's mapping (the spill page file), the layer's attention is two compiled
 calls: `look` (which pages are not resident: what the regenerator is asked to map) and
 `append_fold` (the rows appended, the walk arrays, the fold and merge with each mapped page's
-checksum checked, the recency marks). Anything else (a new page, a stale partial page, a page
-the mapping lacks) is reported, with nothing written, and the caller takes the general path.
+checksum checked, the recency marks). Without a regenerator that maps pages, every page must
+be resident: `append_fold` alone, over a mapping that maps nothing (every page marked
+missing), is the whole layer. Anything else (a new page, a stale partial page, a page the
+mapping lacks) is reported, with nothing written, and the caller takes the general path.
 
 The tables (slot, tokens, last_use: (heads, pages) int64) and slabs are `HotCache`'s: only its
-methods call these kernels. The fold is `fold._fold_walk` (`fold.fold_hot`'s and
-`fold.fold_walk`'s kernel), whose work items are the general path's (`_fold_item`,
-`_merge_item`), so the result is bitwise that of the general path. No policy, accounting or
-telemetry here. numba's cache: `append_fold` compiles the fold's kernels into this module's
-cache entry, which numba renews only when this file changes; after editing fold.py (or
-page_sum.py, storage.py) in a checkout, delete the `__pycache__/*.nbi` files (a release
-rewrites every file, so installs are not affected).
+methods call these kernels. The fold is `fold._fold_walk` (`fold.fold_walk`'s kernel), whose
+work items are the general path's (`_fold_item`, `_merge_item`), so the result is bitwise that
+of the general path. No policy, accounting or telemetry here. numba's cache: `append_fold`
+compiles the fold's kernels into this module's cache entry, which numba renews only when this
+file changes; after editing fold.py (or page_sum.py, storage.py) in a checkout, delete the
+`__pycache__/*.nbi` files (a release rewrites every file, so installs are not affected).
 """
 
 from __future__ import annotations

@@ -350,21 +350,10 @@ def merge_partitions(m, l, acc, sinks, out):
     (_merge_parallel if _merge_in_parallel(acc.shape) else _merge_serial)(m, l, acc, sinks, out)
 
 
-def fold_hot(q, qpos, slabs, slot, span, score, sinks, out):
-    """An all-hot walk in one compiled call: `fold_pages` over every page of `slot` (H, NP)
-    read from the hot slab (src SRC_HOT), then `merge_partitions` into out (T, H, G, Dv) f32.
-    span = (lo, context, split); score as `fold_pages`. The serial / parallel kernels are
-    chosen here by those two functions' rules, so the result is bitwise theirs (the decode
-    path of `Atlas.write_attend`: no Python per layer between the K/V write and the attention
-    output)."""
-    scale, cap, alibi, win, fmt = score
-    _fold_hot_flat(q, qpos, *slabs, slot, *span, scale, cap, alibi, win, fmt, sinks, out,
-                   *walk_plan(q, slot, span, slabs, out))
-
-
 def fold_walk(q, qpos, slabs, walk, span, score, sinks, out):
-    """`fold_hot` for a walk whose pages are hot (SRC_HOT) or read in place from a
-    regenerator's mapping (SRC_MAP): walk = (src, slot, expect, bad) as `fold_pages` takes it
+    """A walk whose pages are hot (SRC_HOT) or read in place from a regenerator's mapping
+    (SRC_MAP) in one compiled call: `fold_pages` over every page, then `merge_partitions`
+    into out (T, H, G, Dv) f32; walk = (src, slot, expect, bad) as `fold_pages` takes it
     (a mapped page whose checksum differs from `expect` sets `bad`; the caller raises before
     using out). The same kernels and plan as `fold_pages` + `merge_partitions`, so bitwise
     theirs."""
@@ -393,24 +382,11 @@ def _plan_of(n_tok, n_head, n_grp, n_pg, lo, split, page_tokens, dv, min_pairs) 
 
 
 @njit(cache=True, nogil=True)
-def _fold_hot_flat(q, qpos, k_hot, v_hot, k_scr, v_scr, k_map, v_map, slot, lo, context, split,
-                   scale, cap, alibi, win, fmt, sinks, out, items, fold_parallel,
-                   merge_parallel):
-    """`_fold_walk` of an all-hot walk with its tuples spread into plain arguments: numba
-    types a tuple argument element by element in Python on every call (~10 us for these), an
-    array or scalar in C."""
-    n_head, n_pg = slot.shape
-    walk = (np.zeros((n_head, n_pg), dtype=np.int64), slot,  # src SRC_HOT
-            np.zeros((n_head, n_pg), dtype=np.uint32), np.zeros((n_head, n_pg), dtype=np.uint8))
-    _fold_walk(q, qpos, (k_hot, v_hot, k_scr, v_scr, k_map, v_map), walk, (lo, context, split),
-               (scale, cap, alibi, win, fmt), sinks, out, (items, fold_parallel, merge_parallel))
-
-
-@njit(cache=True, nogil=True)
 def _fold_walk_flat(q, qpos, k_hot, v_hot, k_scr, v_scr, k_map, v_map, src, slot, expect, bad,
                     lo, context, split, scale, cap, alibi, win, fmt, sinks, out, items,
                     fold_parallel, merge_parallel):
-    """`_fold_walk` with its tuples spread into plain arguments (see `_fold_hot_flat`)."""
+    """`_fold_walk` with its tuples spread into plain arguments: numba types a tuple argument
+    element by element in Python on every call (~10 us for these), an array or scalar in C."""
     _fold_walk(q, qpos, (k_hot, v_hot, k_scr, v_scr, k_map, v_map), (src, slot, expect, bad),
                (lo, context, split), (scale, cap, alibi, win, fmt), sinks, out,
                (items, fold_parallel, merge_parallel))
@@ -418,7 +394,8 @@ def _fold_walk_flat(q, qpos, k_hot, v_hot, k_scr, v_scr, k_map, v_map, src, slot
 
 @njit(cache=True, nogil=True)
 def _fold_walk(q, qpos, slabs, walk, span, score, sinks, out, plan):
-    """The kernel of `fold_hot` / `fold_walk`: the partition states allocated, then the planned
+    """The kernel of `fold_walk` and of the decode walk (decode_walk.append_fold): the
+    partition states allocated, then the planned
     kernels over the whole walk."""
     n_tok, n_head, n_grp, _ = q.shape
     n_pg = walk[1].shape[1]

@@ -384,20 +384,8 @@ class HotCache:
         return self._append(layer, rows, n_rows, start, k_st, v_st, start // self.page_tokens,
                             (tick, tick)) is not None
 
-    def append_walk(self, layer: int, start: int, k_st: np.ndarray, v_st: np.ndarray,
-                    lo: int, ticks: tuple[int, int]) -> np.ndarray | None:
-        """The decode path in one call: when `append` applies to every head 0..H-1 of the rows
-        (T, H, D) and every page lo.. of those heads is then resident and whole (a walk of the
-        new context with no miss), append the rows (at ticks[0]), touch the walk's pages (at
-        ticks[1], as a fold's `touch` would) and return the walk's slots (H, NP). Else change
-        nothing and return None (the caller takes the general path). A walk with misses a
-        regenerator maps: `walk_misses` and `append_fold`."""
-        H = k_st.shape[1]
-        return self._append(layer, all_heads(H), H, start, k_st, v_st, lo, ticks)
-
     def _append(self, layer, heads, n_rows, start, k_st, v_st, lo, ticks) -> np.ndarray | None:
-        """`append` / `append_walk` for table rows `heads` (all below n_rows): the walk's
-        slots, or None."""
+        """`append` for table rows `heads` (all below n_rows): the walk's slots, or None."""
         T = k_st.shape[0]
         lay = self._walk_tables(layer, n_rows, start + T, lo)
         if lay is None:
@@ -443,7 +431,9 @@ class HotCache:
         (resident pages, mapped tokens, failed pages), or (-1, 0, 0) with nothing written
         when the walk does not apply. Outside a transaction (the marks are not journaled)."""
         assert self._journal is None, "append_fold writes outside a transaction only"
-        lay = self.layers[layer]
+        lay = self._walk_tables(layer, k_st.shape[1], start + k_st.shape[0], lo)
+        if lay is None:  # the tables do not cover the walk: it does not apply
+            return -1, 0, 0
         heads = all_heads(k_st.shape[1])
         res = decode_walk.append_fold(lay.slot, lay.tokens, lay.last_use, self.k, self.v,
                                       heads, start, k_st, v_st, lo, ticks[0], ticks[1],

@@ -120,6 +120,18 @@ def _default_score(n_head: int, n_grp: int, scale: float, window: int) -> tuple:
     return (scale, 0.0, _filled(n_head, n_grp, 0.0), window, _filled(n_head, n_grp, np.nan))
 
 
+@functools.lru_cache(maxsize=256)
+def _maps_nothing(n_head: int, n_pg: int) -> tuple:
+    """The mapping tables of a walk that maps nothing ((n_head, n_pg) slot, expected sums,
+    missing (all set), (n_pg,) lens, bad), for `HotCache.append_fold` on an all-hot walk:
+    shared by every call of that size (the kernel writes only `bad`, and only for a mapped
+    page, of which this walk has none)."""
+    shape = (n_head, n_pg)
+    return (np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.uint32),
+            np.ones(shape, dtype=np.bool_), np.zeros(n_pg, dtype=np.int64),
+            np.zeros(shape, dtype=np.uint8))
+
+
 def _per_head(name: str, value, n_head: int, n_grp: int, fill: float) -> np.ndarray:
     """Broadcast a scalar / (G,) / (H, G) option to an (H, G) float32 array."""
     if value is None:
@@ -250,12 +262,12 @@ class Atlas:
 
         The decode path: when the rows grow resident pages in place and every page the query
         reads is then hot, the write, the recency marks, the fold and the merge are two
-        compiled calls (`HotCache.append_walk`, `fold.fold_hot`) instead of two walks in
-        Python; with a regenerator that maps pages (the spill page file), when every page not
-        hot (a growing page too) is read in place from its mapping, `HotCache.walk_misses`,
-        `map_pages` and `HotCache.append_fold`. Any other case (a new page, a page to
-        regenerate, a checked-out argument) takes the two calls themselves, which raise what
-        they raise."""
+        one compiled call (`HotCache.append_fold` over a walk that maps nothing) instead of two
+        walks in Python; with a regenerator that maps pages (the spill page file), when every
+        page not hot (a growing page too) is read in place from its mapping,
+        `HotCache.walk_misses`, `map_pages` and `HotCache.append_fold`. Any other case (a new
+        page, a page to regenerate, a checked-out argument) takes the two calls themselves,
+        which raise what they raise."""
         cfg = self.config
         fast = (isinstance(k_st, np.ndarray) and k_st.ndim == 3
                 and isinstance(v_st, np.ndarray) and isinstance(query, np.ndarray)
@@ -316,11 +328,7 @@ class Atlas:
         lo = first_page(context - T - args[3] + 1, P) if args[3] else 0
         map_pages = getattr(backend, "map_pages", None)
         if map_pages is None:
-            slots = self.cache.append_walk(layer, start, k_st, v_st, lo,
-                                           (self._tick + 1, self._tick + 2))
-            if slots is None:  # not all hot
-                return None
-            return self._fold_hot(q, context, lo, slots, args, out)
+            return self._fold_hot(layer, start, k_st, v_st, q, lo, args, out)
         # A regenerator that maps pages: the walk applies when the rows continue each head's
         # growing page (resident, or not resident at all) and the regenerator maps every page
         # that is not hot (it is told what the fold reads first: its read-ahead follows the
@@ -504,22 +512,36 @@ class Atlas:
         self._peak = max(self._peak, self.cache.resident_bytes)
         self._scratch_used = False
 
-    def _fold_hot(self, q, context, lo, slots, args, out=None) -> np.ndarray:
-        """`write_attend`'s compiled path after `append_walk` wrote the rows and marked the
-        walk: the counters of a write call and an all-hot attend call, the fold and merge."""
+    def _fold_hot(self, layer, start, k_st, v_st, q, lo, args, out=None) -> np.ndarray | None:
+        """`write_attend`'s compiled path when every page is hot: the rows appended, the fold
+        and merge, the recency marks, in one compiled call (`HotCache.append_fold` with a
+        walk that maps nothing: a page that is not resident and whole refuses it), then the
+        counters of a write call and an all-hot attend call. None, nothing changed, when the
+        walk does not apply. Its fold seconds include the rows' append (a few hundred bytes)."""
         cfg = self.config
+        context = start + q.shape[0]
         scale, cap, alibi, win, sinks = args
-        self._walk_taken()
+        n_head, n_pg = k_st.shape[1], -(-context // cfg.page_tokens) - lo
+        if n_pg < 1:
+            return None
+        slot, expect, refuse, lens, bad = _maps_nothing(n_head, n_pg)
         out, qpos = self._walk_out(q, context, out)
-        score = (np.float32(scale), np.float32(cap), alibi, win, self._fmt)
-        n_head, n_pg = slots.shape
-        slabs = (self.cache.k, self.cache.v, self._scratch_k, self._scratch_v) + self._no_map
+        fold_args = (self._scratch_k, self._scratch_v, *self._no_map, slot, expect, refuse,
+                     lens, q, qpos, context, cfg.split_pages, np.float32(scale),
+                     np.float32(cap), alibi, win, self._fmt, sinks, out,
+                     *fold.walk_plan(q, bad, (lo, context, cfg.split_pages), self._no_map,
+                                     out), bad)
         t0 = time.perf_counter()
-        fold.fold_hot(q, qpos, slabs, slots, (lo, context, cfg.split_pages), score, sinks, out)
+        n_hot = self.cache.append_fold(layer, start, k_st, v_st, lo,
+                                       (self._tick + 1, self._tick + 2), fold_args)[0]
         seconds = time.perf_counter() - t0
-        pages, tokens = n_head * n_pg, (context - lo * cfg.page_tokens) * n_head
+        if n_hot < 0:  # not all hot
+            return None
+        self._walk_taken()
+        pages = n_head * n_pg
         self._last = Counters(calls=1, pages_folded=pages, hot_hits=pages,
-                              tokens_consumed=tokens, fold_seconds=seconds)
+                              tokens_consumed=(context - lo * cfg.page_tokens) * n_head,
+                              fold_seconds=seconds)
         self._total.add_walk(self._last)
         return out
 
