@@ -147,3 +147,63 @@ def append_fold(slot, tokens, last_use, k_hot, v_hot, heads, start, k_st, v_st, 
                 if hot[h, i] >= 0:
                     last_use[heads[h], lo + i] = tick_a
     return n_hot, mapped_tokens, n_bad, grown
+
+
+@njit(cache=True, nogil=True)
+def hot_walks(layer, slots, tokens, last_uses, ks, vs, members, starts, ticks, walked, counts,
+              k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks, min_pairs, empty_k,
+              empty_v, out, ok):
+    """One layer's all-hot decode walk for several sequences in one call (batch_walk.py).
+
+    Row r of k_st, v_st (n, H, D), q (n, H, G, D) and out (n, H, G, Dv) is one token of
+    sequence members[r] (-1: not in the group, skipped), at position starts[g]; sequence g's
+    hot cache is slots[g][layer], tokens[g][layer], last_uses[g][layer] and the slabs ks[g][0],
+    vs[g][0] (`HotCache.walk_lists`), its recency clock ticks[g], its fold split splits[g] and
+    score scale scales[g]. For each row in order, what `Atlas.decode_attend` does when the
+    walk is all hot (`Atlas._fold_hot`: `append_fold` over a mapping that maps nothing): if
+    the tables cover the walk and the row grows each head's resident page in place with
+    pages lo.. (the window's first page) then resident and whole, the row is appended at
+    ticks[g] + 1, those pages marked at ticks[g] + 2, the walk folded and merged into out[r]
+    with the plan `fold.walk_plan` gives (its thresholds: min_pairs), ticks[g] += 2,
+    walked[g, layer] += 1, counts[g] += (pages folded, tokens consumed) and ok[r] = True;
+    else nothing is written and ok[r] = False (the caller takes the sequence's own path). The
+    fold is `fold._fold_walk`, so every bit is the per-sequence walk's."""
+    n_head, n_grp = q.shape[1], q.shape[2]
+    heads = np.arange(n_head)
+    dv = out.shape[3]
+    qpos = np.empty(1, dtype=np.int64)
+    for r in range(members.shape[0]):
+        ok[r] = False
+        g = members[r]
+        if g < 0 or layer >= len(slots[g]):  # not a member, or no tables for the layer yet
+            continue
+        slot, tok, last = slots[g][layer], tokens[g][layer], last_uses[g][layer]
+        k, v = ks[g][0], vs[g][0]
+        page_tokens, split = v.shape[1], splits[g]
+        start = starts[g]
+        context = start + 1
+        lo = max(0, context - win) // page_tokens if win > 0 else 0
+        n_pages = (context + page_tokens - 1) // page_tokens
+        if not (lo < n_pages <= slot.shape[1] and n_head <= slot.shape[0]):
+            continue
+        n_pg = n_pages - lo
+        hot = np.empty((n_head, n_pg), dtype=np.int64)
+        tick = ticks[g]
+        if not append_walk(slot, tok, last, k, v, heads, start, k_st[r:r + 1], v_st[r:r + 1],
+                           lo, tick + 1, tick + 2, hot, True, False):
+            continue
+        n_part = (lo + n_pg + split - 1) // split
+        plan = (n_head * ((lo + n_pg - 1) // split - lo // split + 1),
+                n_grp * n_head * n_pg * page_tokens >= min_pairs,
+                n_head * n_part * n_grp * dv >= min_pairs)
+        qpos[0] = start
+        walk = (np.zeros((n_head, n_pg), dtype=np.int64), hot,
+                np.zeros((n_head, n_pg), dtype=np.uint32), np.zeros((n_head, n_pg), dtype=np.uint8))
+        _fold_walk(q[r:r + 1], qpos, (k, v, empty_k, empty_v, empty_k, empty_v), walk,
+                   (lo, context, split), (scales[g], cap, alibi, win, fmt), sinks, out[r:r + 1],
+                   plan)
+        ticks[g] = tick + 2
+        walked[g, layer] += 1
+        counts[g, 0] += n_head * n_pg
+        counts[g, 1] += (context - lo * page_tokens) * n_head
+        ok[r] = True

@@ -53,16 +53,18 @@ class _Layer:
         self.bytes = 0   # logical: resident rows x row_bytes
         self.slots = 0   # slots held by this layer's pages
 
-    def ensure_table(self, heads: int, pages: int) -> None:
+    def ensure_table(self, heads: int, pages: int) -> bool:
+        """Grow the tables to cover `heads` x `pages`; True when they were reallocated."""
         h0, p0 = self.slot.shape
         if heads <= h0 and pages <= p0:
-            return
+            return False
         h1, p1 = max(heads, h0), max(pages, 2 * p0, 8)
         for name, fill in (("slot", -1), ("tokens", 0), ("last_use", 0)):
             old = getattr(self, name)
             new = np.full((h1, p1), fill, dtype=np.int64)
             new[:h0, :p0] = old
             setattr(self, name, new)
+        return True
 
     @property
     def table_bytes(self) -> int:
@@ -80,6 +82,10 @@ class HotCache:
         self.layers: dict[int, _Layer] = {}
         self.resident_bytes = 0
         self.held_slots = 0
+        # counts every replacement of the arrays the batched decode walk reads (tables, slabs):
+        # `walk_lists` rebuilds its lists when it moved, and their holders compare it
+        self.walk_version = 0
+        self._walk_lists: tuple | None = None
         self._empty_pool()
         self._journal: list[tuple] | None = None
         self._pending: list[int] = []  # slots evicted inside a transaction
@@ -96,6 +102,7 @@ class HotCache:
         self._ranked: tuple | None = None
 
     def _empty_pool(self) -> None:
+        self._arrays_replaced()
         dt, D, P = self.config.dtype.array_dtype, self.config.head_dim, self.page_tokens
         self.k = np.zeros((0, D, P), dtype=dt)  # K^T pages
         # V rows; width 0 when V is a view of K (config.value_dim): nothing stored twice
@@ -107,13 +114,48 @@ class HotCache:
         lay = self.layers.get(layer)
         if lay is None:
             lay = self.layers[layer] = _Layer()
+            self._arrays_replaced()
         return lay
 
     def tables(self, layer: int, heads: int, pages: int) -> _Layer:
         """The tables of `layer`, grown to cover `heads` x `pages` (read them, do not write)."""
         lay = self.layer(layer)
-        lay.ensure_table(heads, pages)
+        if lay.ensure_table(heads, pages):
+            self._arrays_replaced()
         return lay
+
+    def _arrays_replaced(self) -> None:
+        """A table or slab array was replaced: the walk lists no longer hold it."""
+        self.walk_version += 1
+        self._walk_lists = None
+
+    def walk_lists(self) -> tuple:
+        """(slot, tokens, last_use, k, v) as numba typed lists, for the batched decode walk
+        (atlas/batch_walk.py): per layer 0..L-1 (L: one past the highest layer with tables)
+        that layer's table, an empty (0, 0) table where a layer has none; k and v hold the
+        pool's slabs as one item each. Built on first use after any replacement of those
+        arrays (`walk_version` then moves: a holder of older lists must fetch these) and
+        read only by the kernels, which write rows, rows held and recency into the arrays
+        they reference, as `append_fold` does."""
+        if self._walk_lists is None:
+            from numba import from_dtype, typed, types  # only processes that batch build them
+
+            table_t = types.Array(types.int64, 2, "C")
+            none = np.zeros((0, 0), dtype=np.int64)
+            n = max(self.layers, default=-1) + 1
+            lists = []
+            for name in ("slot", "tokens", "last_use"):
+                tables = typed.List.empty_list(table_t)
+                for i in range(n):
+                    lay = self.layers.get(i)
+                    tables.append(none if lay is None else getattr(lay, name))
+                lists.append(tables)
+            for slab in (self.k, self.v):
+                one = typed.List.empty_list(types.Array(from_dtype(slab.dtype), 3, "C"))
+                one.append(slab)
+                lists.append(one)
+            self._walk_lists = tuple(lists)
+        return self._walk_lists
 
     def budget(self) -> int:
         return self.config.hot_cache_bytes
@@ -264,6 +306,7 @@ class HotCache:
         v = np.zeros((new_cap,) + self.v.shape[1:], dtype=self.v.dtype)
         k[:cap], v[:cap] = self.k, self.v
         self.k, self.v = k, v
+        self._arrays_replaced()
         self.free.extend(range(new_cap - 1, cap - 1, -1))  # pop() hands out low slots first
 
     # --- mutators --------------------------------------------------------------------------
@@ -353,7 +396,8 @@ class HotCache:
         self._epoch += 1
         lay = self.layer(key.layer)
         page = key.start_token // self.page_tokens
-        lay.ensure_table(key.kv_head + 1, page + 1)
+        if lay.ensure_table(key.kv_head + 1, page + 1):
+            self._arrays_replaced()
         slot = self._take_slot()
         n = k_rows.shape[0]
         self.k[slot, :, :n] = k_rows.T
@@ -441,6 +485,12 @@ class HotCache:
         if res[0] >= 0:
             self._account(lay, k_st.shape[0] * res[3] * self.row_bytes, 0)
         return res[:3]
+
+    def walked(self, walks: np.ndarray, row_bytes: int) -> None:
+        """Account the rows batched walks appended (`decode_walk.hot_walks`, which wrote them
+        into resident pages in place): walks[layer] walks, row_bytes each."""
+        for layer in np.flatnonzero(walks).tolist():
+            self._account(self.layers[layer], int(walks[layer]) * row_bytes, 0)
 
     def forget_before(self, layer: int, token: int) -> int:
         """Evict `layer`'s resident pages that end at or before `token` (a sliding window no

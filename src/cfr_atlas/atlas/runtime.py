@@ -545,6 +545,29 @@ class Atlas:
         self._total.add_walk(self._last)
         return out
 
+    def batched_walks(self, walked: np.ndarray, n_head: int, tick: int, counts: list,
+                      seconds: float, last: tuple) -> None:
+        """The bookkeeping of all-hot decode walks a batched call made for this atlas
+        (atlas/batch_walk.py): walked[layer] walks per layer, each over n_head heads, the
+        clock after them, (pages folded, tokens consumed) summed, their fold seconds, and the
+        last walk's (pages, tokens, seconds). What `_fold_hot` records after each walk (the
+        rows' bytes, the clock, the peak, the counters of a write and an attend call), in
+        one go."""
+        self.cache.walked(walked, n_head * self.config.row_bytes)
+        n = int(walked.sum())
+        self._tick = tick
+        self._peak = max(self._peak, self.cache.resident_bytes)
+        self._scratch_used = False
+        pages, tokens = counts
+        t = self._total
+        t.calls += 2 * n
+        t.pages_folded += pages
+        t.hot_hits += pages
+        t.tokens_consumed += tokens
+        t.fold_seconds += seconds
+        self._last = Counters(calls=1, pages_folded=last[0], hot_hits=last[0],
+                              tokens_consumed=last[1], fold_seconds=last[2])
+
     def _fold_mapped(self, layer, start, k_st, v_st, q, lo, lens, maps, args,
                      out=None) -> np.ndarray | None:
         """`_fold_hot` for a walk whose pages not hot are read in place from the regenerator's

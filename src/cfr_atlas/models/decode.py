@@ -44,6 +44,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
+from cfr_atlas.atlas.batch_walk import HotWalks
 from cfr_atlas.atlas.storage import FORMATS, format_of, round_checked, storable
 from cfr_atlas.errors import ModelFormatError
 from cfr_atlas.models.batch import take_rows
@@ -236,6 +237,32 @@ class DecodeStep:
         exception its attention raised}). A session whose attention raises leaves the step
         at that layer, its rows dropped (the others' rows do not change: every kernel is
         row-independent), its session mid-token, as `batch.batched_forward` leaves it."""
+        walks = self._walks(sessions)
+        if walks is None:
+            return self._run(sessions, pos0s, x0, rope, None)
+        walks.begin(len(self.layers))
+        try:
+            return self._run(sessions, pos0s, x0, rope, walks)
+        finally:
+            walks.end()  # every atlas's bookkeeping handed back, whatever happened
+
+    @staticmethod
+    def _walks(sessions: list) -> HotWalks | None:
+        """The batched walks of one step of these sessions, or None for a single session or
+        fewer than two that may join (`Session.batch_walk_atlas`). Made per step and dropped
+        after it, so nothing holds a sequence's arrays past its step."""
+        if len(sessions) < 2:
+            return None
+        atlases = [s.batch_walk_atlas() for s in sessions]
+        first = next((a for a in atlases if a is not None), None)
+        if first is not None:
+            atlases = [a if a is not None and HotWalks.fits(a, first.config) else None
+                       for a in atlases]
+        return None if sum(a is not None for a in atlases) < 2 else HotWalks(atlases)
+
+    def _run(self, sessions: list, pos0s: list, x0: np.ndarray, rope,
+             walks: HotWalks | None) -> tuple[np.ndarray, dict]:
+        """`run`, with the sessions' all-hot walks batched by `walks` (None: each its own)."""
         live = list(range(len(sessions)))
         failed: dict = {}
         dtype = sessions[0].atlas.config.dtype
@@ -244,6 +271,7 @@ class DecodeStep:
         b.x[...] = x0
         post = None  # the previous layer's post-FFN norm
         eps = self.eps
+        starts = np.asarray(pos0s, dtype=np.int64)
         for i, lay in enumerate(self.layers):
             x, h, d, tmp = b.x, b.h, b.d, b.tmp
             if i:
@@ -259,13 +287,29 @@ class DecodeStep:
                               lay.bias is not None, lay.q_norm if has_norm else _NONE,
                               lay.k_norm if has_norm else _NONE, has_norm, eps, cos, sin,
                               self.neox, fmt, b.q_in, b.k_in, b.q, b.k, b.v, k_st, v_st)
+            done = members = None
+            if walks is not None:
+                members = walks.member[live]
+                if stored:  # the member rows' walks in one call (the regenerators' copies first)
+                    for r, j in enumerate(live):
+                        if members[r] >= 0:
+                            sessions[j].record_rows(i, pos0s[j], x[r:r + 1], k_st[r:r + 1],
+                                                    v_st[r:r + 1])
+                    done = walks.run(i, members, starts, k_st, v_st, b.q4, b.attn,
+                                     **lay.options)
             gone = []
             for r, j in enumerate(live):  # per sequence: its own K/V
+                if done is not None and done[r]:
+                    continue
+                member = members is not None and members[r] >= 0
+                if member:  # its own path sees the state its batched walks left
+                    walks.flush(j)
                 rows, out = slice(r, r + 1), b.attn[r:r + 1]
                 try:
                     if stored:
                         a = sessions[j].decode_attend(i, pos0s[j], x[rows], k_st[rows],
-                                                      v_st[rows], b.q4[rows], out, **lay.options)
+                                                      v_st[rows], b.q4[rows], out,
+                                                      recorded=member, **lay.options)
                     else:  # not storable, or q not finite: the general call raises its errors
                         a = sessions[j].store_attend(i, pos0s[j], x[rows], b.k[rows],
                                                      b.v[rows], b.q4[rows], **lay.options)
@@ -274,6 +318,8 @@ class DecodeStep:
                 except Exception as exc:
                     failed[j] = exc
                     gone.append(r)
+                if member:
+                    walks.resync(j)
             if gone:
                 if len(gone) == len(live):
                     return x[:0].copy(), failed

@@ -288,18 +288,32 @@ class Session:
                                        **score)
 
     def decode_attend(self, layer: int, pos0: int, x: np.ndarray, k_st: np.ndarray,
-                      v_st: np.ndarray, q: np.ndarray, out: np.ndarray, **score) -> np.ndarray:
+                      v_st: np.ndarray, q: np.ndarray, out: np.ndarray, recorded: bool = False,
+                      **score) -> np.ndarray:
         """`store_attend` for the decode step (models/decode.py), whose kernel has checked and
         rounded the rows as `Atlas.stored_rows` does (k_st, v_st) and checked q (finite,
         float32, C-contiguous); score: scale and window at most. The regenerator's copy
-        first, then `Atlas.decode_attend` (the compiled walk, into out) or, when that does not
-        apply, `Atlas.write_attend`: the same calls store_attend makes after its checks."""
-        self.backend.record(layer, pos0, x, k_st, v_st)
+        first (unless `recorded`: the caller made it, `record_rows`), then
+        `Atlas.decode_attend` (the compiled walk, into out) or, when that does not apply,
+        `Atlas.write_attend`: the same calls store_attend makes after its checks."""
+        if not recorded:
+            self.backend.record(layer, pos0, x, k_st, v_st)
         attn = self.atlas.decode_attend(self.backend, layer, pos0, k_st, v_st, q, out, **score)
         if attn is None:
             attn = self.atlas.write_attend(self.backend, layer, pos0, k_st, v_st, q, self.policy,
                                            **score)
         return attn
+
+    def record_rows(self, layer: int, pos0: int, x: np.ndarray, k_st: np.ndarray,
+                    v_st: np.ndarray) -> None:
+        """The regenerator's copy of a decode token's rows, for a caller that attends for this
+        session itself (a batched walk, atlas/batch_walk.py), as `decode_attend` makes it."""
+        self.backend.record(layer, pos0, x, k_st, v_st)
+
+    def batch_walk_atlas(self):
+        """This session's Atlas when its decode walks may join a batched call (its regenerator
+        maps no pages: those walks read the mapping, per session), else None."""
+        return self.atlas if getattr(self.backend, "map_pages", None) is None else None
 
     # --- memory ------------------------------------------------------------------------------
     def allocations(self) -> dict[str, int]:

@@ -1,0 +1,169 @@
+"""Several sequences' decode walks in one compiled call per layer (a batched decode step).
+
+A decode step of n sequences (models/decode.py) attends for each layer once per sequence, each
+over its own hot cache. When a sequence's walk is all hot (the common case while a budget
+keeps every page), that attention is one compiled call (`Atlas.decode_attend`, via
+`HotCache.append_fold`), but the Python around each call (argument checks, the walk's tables,
+counters) costs ~20 us, about as much as the call, and a step pays it n x layers times.
+`HotWalks` makes every sequence's all-hot walk of a layer one call (`decode_walk.hot_walks`):
+the same append, fold and merge per sequence, in row order, so every bit, table entry and
+recency mark is what the per-sequence call makes. A sequence whose walk does not apply there
+(a new page, a miss, a budget that evicts) takes its own path for that layer, after its
+bookkeeping so far is handed back to its Atlas (`flush`), so that path sees the state it
+would have seen.
+
+The bookkeeping each walk adds (the recency clock, the rows' bytes, the counters of a write
+call and an all-hot attend call, the peak) is gathered in arrays and given to each Atlas at
+the end of the step or before its own path runs (`Atlas.batched_walks`); the fold seconds of a
+call are shared evenly among the walks it made. A group lives for one step. It holds the
+sequences' hot caches' typed lists (`HotCache.walk_lists`), fetched again whenever a cache
+replaced an array (`HotCache.walk_version`, checked before every call, so a call never reads
+a replaced array), and lets them go at the end of the step, so no array outlives its cache's
+use of it. Building the lists compiles numba's typed-list code once per process (~1 s), so a
+step of one sequence keeps the per-sequence call.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from cfr_atlas.atlas import decode_walk, fold
+from cfr_atlas.atlas.runtime import _default_score
+from cfr_atlas.atlas.storage import format_of
+
+
+class HotWalks:
+    """The all-hot decode walks of a fixed list of atlases (one per sequence of a decode step,
+    None where a sequence takes its own path always); see the module docstring."""
+
+    def __init__(self, atlases: list):
+        self.atlases = atlases
+        n = len(atlases)
+        configs = [a.config for a in atlases if a is not None]
+        c = configs[0]
+        self.head_dim, self.value_dim, self.out_dim = c.head_dim, c.stored_value_dim, c.out_dim
+        self.dtype = c.dtype
+        self._fmt = format_of(c.dtype)
+        self.member = np.array([-1 if a is None else g for g, a in enumerate(atlases)],
+                               dtype=np.int64)
+        self.splits = np.array([1 if a is None else a.config.split_pages for a in atlases],
+                               dtype=np.int64)
+        self.ticks = np.zeros(n, dtype=np.int64)
+        self.walked: np.ndarray | None = None  # (n, layers) walks since the last flush
+        self.counts = np.zeros((n, 2), dtype=np.int64)  # pages folded, tokens consumed
+        self.seconds = np.zeros(n, dtype=np.float64)
+        self.last = [None] * n  # per atlas: its last walk's (pages, tokens, seconds)
+        self.n_head = 0
+        self._scales: dict = {}
+        self._versions: tuple | None = None
+        self._lists: tuple | None = None
+        slabs = (np.zeros((0, c.head_dim, c.page_tokens), dtype=c.dtype.array_dtype),
+                 np.zeros((0, c.page_tokens, c.stored_value_dim), dtype=c.dtype.array_dtype))
+        self._empty = slabs
+
+    @staticmethod
+    def fits(atlas, config) -> bool:
+        """Whether `atlas` may join a group whose first member has `config`: the same row
+        shapes and storage dtype (the step's buffers hold one shape for all)."""
+        c = atlas.config
+        return (c.dtype == config.dtype and c.head_dim == config.head_dim
+                and c.stored_value_dim == config.stored_value_dim
+                and c.out_dim == config.out_dim)
+
+    # --- a step ---------------------------------------------------------------------------
+    def begin(self, n_layers: int) -> None:
+        """Before a step: every atlas's clock read, nothing gathered."""
+        for g, a in enumerate(self.atlases):
+            if a is not None:
+                self.ticks[g] = a._tick
+        if self.walked is None or self.walked.shape[1] < n_layers:
+            self.walked = np.zeros((len(self.atlases), n_layers), dtype=np.int64)
+        else:
+            self.walked.fill(0)
+        self.counts.fill(0)
+        self.seconds.fill(0.0)
+
+    def _current_lists(self) -> tuple:
+        versions = tuple(-1 if a is None else a.cache.walk_version for a in self.atlases)
+        if versions != self._versions:
+            from numba import typed
+
+            per_atlas = [None if a is None else a.cache.walk_lists() for a in self.atlases]
+            filler = next(x for x in per_atlas if x is not None)
+            lists = []
+            for i in range(5):
+                outer = typed.List()
+                for x in per_atlas:
+                    outer.append((filler if x is None else x)[i])
+                lists.append(outer)
+            self._lists, self._versions = tuple(lists), versions
+        return self._lists
+
+    def run(self, layer: int, rows: np.ndarray, starts: np.ndarray, k_st: np.ndarray,
+            v_st: np.ndarray, q: np.ndarray, out: np.ndarray, scale=None,
+            window=None) -> np.ndarray:
+        """One layer for the step's rows: rows[r] the atlas index of row r (-1: none), starts
+        its position; rows (n, H, D) of the storage dtype, q (n, H, G, D) float32, out (n, H,
+        G, Dv) float32, all C-contiguous, and the layer's scale and window (the attention
+        options a decode step passes). Returns ok (n,) bool: True where the row's walk was
+        made here (out[r] written), False where the row must take its own path."""
+        n, H, G = q.shape[:3]
+        if (k_st.shape != (n, H, self.head_dim) or v_st.shape != (n, H, self.value_dim)
+                or k_st.dtype != self.dtype.array_dtype or v_st.dtype != k_st.dtype
+                or out.shape != (n, H, G, self.out_dim) or rows.shape != (n,)
+                or layer >= self.walked.shape[1]):
+            raise ValueError(f"HotWalks.run: rows {k_st.shape} / {v_st.shape}, query {q.shape}, "
+                             f"out {out.shape} do not fit")
+        ok = np.zeros(n, dtype=np.bool_)
+        slots, tokens, last_uses, ks, vs = self._current_lists()
+        win = 0 if window is None else int(window)
+        scales = self._scales.get(scale)
+        if scales is None:  # each atlas's scale, as Atlas.decode_attend takes it
+            scales = self._scales[scale] = np.array(
+                [1.0 if a is None else a.config.query_scale() if scale is None else float(scale)
+                 for a in self.atlases], dtype=np.float32)
+        _, cap, alibi, _, sinks = _default_score(H, G, 1.0, win)
+        self.n_head = H
+        before = self.counts.copy()
+        t0 = time.perf_counter()
+        decode_walk.hot_walks(layer, slots, tokens, last_uses, ks, vs, rows, starts,
+                              self.ticks, self.walked, self.counts, k_st, v_st, q, self.splits,
+                              scales, np.float32(cap), alibi, win, self._fmt, sinks,
+                              fold.PARALLEL_MIN_PAIRS, *self._empty, out, ok)
+        made = rows[ok]
+        if made.size:
+            share = (time.perf_counter() - t0) / made.size
+            self.seconds[made] += share
+            for g in made.tolist():
+                pages, tokens = (self.counts[g] - before[g]).tolist()
+                self.last[g] = (pages, tokens, share)
+        return ok
+
+    def flush(self, g: int) -> None:
+        """Hand atlas g the bookkeeping of its walks so far (before its own path, and at the
+        end of the step)."""
+        a = self.atlases[g]
+        if a is None:
+            return
+        walked = self.walked[g]
+        if walked.any():
+            a.batched_walks(walked, self.n_head, int(self.ticks[g]), self.counts[g].tolist(),
+                            float(self.seconds[g]), self.last[g])
+            walked.fill(0)
+            self.counts[g] = 0
+            self.seconds[g] = 0.0
+
+    def resync(self, g: int) -> None:
+        """After atlas g took its own path: read its clock again."""
+        a = self.atlases[g]
+        if a is not None:
+            self.ticks[g] = a._tick
+
+    def end(self) -> None:
+        """After the step (or when it fails): every atlas's bookkeeping handed back, and the
+        lists let go (they reference the caches' arrays)."""
+        for g in range(len(self.atlases)):
+            self.flush(g)
+        self._lists = self._versions = None

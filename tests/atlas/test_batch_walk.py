@@ -1,0 +1,125 @@
+"""The batched decode walk (atlas/batch_walk.py, decode_walk.hot_walks): a decode step of
+several sequences makes every all-hot walk of a layer in one compiled call. Against each
+sequence stepped alone (the per-sequence call), per step: the logits are np.array_equal, and
+each sequence's hot cache (slots, rows held, recency, the rows' bytes, the accounting), clock
+and telemetry counters (all but seconds) are ==. The sequences differ in prompt length (so
+they cross page boundaries at different steps, where their own path takes over for a layer),
+in budget and regenerator (recompute under a budget: misses; spill: its own mapped walk), and
+the models include a sliding window. Also: the call really made most walks, and the lists were
+fetched again after a cache replaced its arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from atlas_reference import cache_state, check_accounting
+
+from cfr_atlas.atlas import batch_walk
+from cfr_atlas.engine import load_model
+from cfr_atlas.models.batch import BatchItem
+from cfr_atlas.testing.tiny_gemma3 import write_tiny_gemma3
+
+IDS = np.random.default_rng(11).integers(0, 256, size=64).astype(np.int64)
+PAGE = 8
+
+
+@pytest.fixture(scope="module", params=["llama-int8", "gemma3-float"])
+def model(request, tiny_llama, tmp_path_factory):
+    if request.param == "llama-int8":
+        return load_model(tiny_llama, matmul="int8")
+    path = tmp_path_factory.mktemp("gemma3") / "tiny-gemma3.gguf"
+    return load_model(write_tiny_gemma3(path, sliding_window=12))
+
+
+def _counters(session) -> dict:
+    t = session.atlas.telemetry()
+    total = {k: v for k, v in vars(t.total).items() if not k.endswith("seconds")}
+    last = {k: v for k, v in vars(t.last_call).items() if not k.endswith("seconds")}
+    return {"total": total, "last": last, "peak": t.peak_resident_bytes,
+            "tick": session.atlas._tick}
+
+
+def _pair(model, kws, tmp_path):
+    made = []
+    for side in ("solo", "batch"):
+        made.append([model.session(page_tokens=PAGE, context_limit=96,
+                                   **({**kw, "cache_dir": tmp_path / side / str(i)}
+                                      if "cache_dir" in kw else kw))
+                     for i, kw in enumerate(kws)])
+    return made
+
+
+@pytest.mark.parametrize("storage", ["float16", "float32"])
+def test_batched_walks_are_each_sequence_alone(model, storage, tmp_path, monkeypatch):
+    c = model.config
+    page = PAGE * c.head_dim * 2 * (2 if storage == "float16" else 4)
+    kws = [{}, {}, {"kv_budget": 3 * page * c.n_kv_heads + 96 * c.n_layers * c.dim * 4,
+                    "regenerator": "recompute"},
+           {"kv_budget": 4 * page * c.n_kv_heads + 4096, "cache_dir": True}, {}]
+    kws = [{**kw, "storage_dtype": storage} for kw in kws]
+    solo, batch = _pair(model, kws, tmp_path)
+    made, fetched = [], []
+    real_run, real_lists = batch_walk.HotWalks.run, batch_walk.HotWalks._current_lists
+
+    def run(self, *a, **k):
+        ok = real_run(self, *a, **k)
+        made.append((int(ok.sum()), len(ok)))
+        return ok
+
+    def lists(self):
+        before = self._versions
+        out = real_lists(self)
+        if self._versions != before:
+            fetched.append(1)
+        return out
+
+    monkeypatch.setattr(batch_walk.HotWalks, "run", run)
+    monkeypatch.setattr(batch_walk.HotWalks, "_current_lists", lists)
+    try:
+        for i, n in enumerate((5, 13, 21, 8, 30)):  # prompts ending at different page offsets
+            for s in (solo[i], batch[i]):
+                model.net.forward_chunk(s, IDS[:n], output=False)
+        for step in range(20):
+            toks = [int(IDS[(7 * i + step) % len(IDS)]) for i in range(len(kws))]
+            got = model.net.forward_batch([BatchItem(s, np.array([t], dtype=np.int64))
+                                           for s, t in zip(batch, toks, strict=True)])
+            for i, (s, t) in enumerate(zip(solo, toks, strict=True)):
+                want = model.net.forward_chunk(s, np.array([t], dtype=np.int64),
+                                               all_logits=False)
+                assert np.array_equal(got[i], want), (step, i)
+                assert cache_state(batch[i].atlas) == cache_state(s.atlas), (step, i)
+                assert _counters(batch[i]) == _counters(s), (step, i)
+                check_accounting(batch[i].atlas)
+        walked, rows = sum(m for m, _ in made), sum(n for _, n in made)
+        # the unbounded sequences' walks were batched except at page starts
+        assert walked > 0.6 * 20 * c.n_layers * 2 and rows >= walked
+        assert len(fetched) > 1  # caches replaced arrays (pages admitted) and lists followed
+        assert batch[2].telemetry_summary()["pages_regenerated"] > 0
+    finally:
+        for s in solo + batch:
+            s.close()
+
+
+def test_one_sequence_and_mapping_regenerators_keep_their_own_call(tiny_llama, tmp_path,
+                                                                   monkeypatch):
+    """A step of one sequence, or of sequences whose regenerator maps pages, builds no group
+    (no typed lists: their compile costs a process ~1 s)."""
+    model = load_model(tiny_llama)
+    built = []
+    real = batch_walk.HotWalks.__init__
+    monkeypatch.setattr(batch_walk.HotWalks, "__init__",
+                        lambda self, *a: built.append(1) or real(self, *a))
+    spill = [model.session(page_tokens=PAGE, kv_budget=1 << 16, cache_dir=tmp_path / str(i))
+             for i in range(2)]
+    one = model.session(page_tokens=PAGE)
+    try:
+        for s in spill + [one]:
+            model.net.forward_chunk(s, IDS[:9], output=False)
+        model.net.forward_batch([BatchItem(s, IDS[:1]) for s in spill])
+        model.net.forward_batch([BatchItem(one, IDS[:1])])
+        assert not built
+        model.net.forward_batch([BatchItem(s, IDS[:1]) for s in (one, spill[0])])
+        assert not built  # one member only
+    finally:
+        for s in spill + [one]:
+            s.close()
