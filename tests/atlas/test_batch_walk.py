@@ -5,7 +5,8 @@ each sequence's hot cache (slots, rows held, recency, the rows' bytes, the accou
 and telemetry counters (all but seconds) are ==. The sequences differ in prompt length (so
 they cross page boundaries at different steps, where their own path takes over for a layer),
 in budget and regenerator (recompute under a budget: misses; spill: its own mapped walk), and
-the models include a sliding window. Also: the call really made most walks, and the lists were
+the models include a sliding window; the rows' walks run side by side on the threads
+(`hot_walks_parallel`) or in turn. Also: the call really made most walks, and the lists were
 fetched again after a cache replaced its arrays."""
 
 from __future__ import annotations
@@ -49,9 +50,12 @@ def _pair(model, kws, tmp_path):
     return made
 
 
+@pytest.mark.parametrize("side_by_side", [True, False], ids=["threads", "in-turn"])
 @pytest.mark.parametrize("storage", ["float16", "float32"])
-def test_batched_walks_are_each_sequence_alone(model, storage, tmp_path, monkeypatch):
+def test_batched_walks_are_each_sequence_alone(model, storage, side_by_side, tmp_path,
+                                               monkeypatch):
     c = model.config
+    monkeypatch.setattr(batch_walk.HotWalks, "parallel", side_by_side)
     page = PAGE * c.head_dim * 2 * (2 if storage == "float16" else 4)
     kws = [{}, {}, {"kv_budget": 3 * page * c.n_kv_heads + 96 * c.n_layers * c.dim * 4,
                     "regenerator": "recompute"},

@@ -6,8 +6,12 @@ keeps every page), that attention is one compiled call (`Atlas.decode_attend`, v
 `HotCache.append_fold`), but the Python around each call (argument checks, the walk's tables,
 counters) costs ~20 us, about as much as the call, and a step pays it n x layers times.
 `HotWalks` makes every sequence's all-hot walk of a layer one call (`decode_walk.hot_walks`):
-the same append, fold and merge per sequence, in row order, so every bit, table entry and
-recency mark is what the per-sequence call makes. A sequence whose walk does not apply there
+the same append, fold and merge per sequence, so every bit, table entry and recency mark is
+what the per-sequence call makes. The walks are memory-bound (a token's pages come back from
+memory after the layer's weights pushed them out of cache: ~25-30 us a sequence and layer on
+the bundled model against ~9 us warm), so when no single fold needs both threads the rows run
+side by side, one fold per thread (`hot_walks_parallel`; each sequence's walk reads and
+writes only its own cache). A sequence whose walk does not apply there
 (a new page, a miss, a budget that evicts) takes its own path for that layer, after its
 bookkeeping so far is handed back to its Atlas (`flush`), so that path sees the state it
 would have seen.
@@ -38,6 +42,8 @@ class HotWalks:
     """The all-hot decode walks of a fixed list of atlases (one per sequence of a decode step,
     None where a sequence takes its own path always); see the module docstring."""
 
+    parallel = True  # rows side by side when `_split` says so (False: always in turn)
+
     def __init__(self, atlases: list):
         self.atlases = atlases
         n = len(atlases)
@@ -50,6 +56,8 @@ class HotWalks:
                                dtype=np.int64)
         self.splits = np.array([1 if a is None else a.config.split_pages for a in atlases],
                                dtype=np.int64)
+        self.page_tokens = np.array([1 if a is None else a.config.page_tokens for a in atlases],
+                                    dtype=np.int64)
         self.ticks = np.zeros(n, dtype=np.int64)
         self.walked: np.ndarray | None = None  # (n, layers) walks since the last flush
         self.counts = np.zeros((n, 2), dtype=np.int64)  # pages folded, tokens consumed
@@ -128,10 +136,12 @@ class HotWalks:
         self.n_head = H
         before = self.counts.copy()
         t0 = time.perf_counter()
-        decode_walk.hot_walks(layer, slots, tokens, last_uses, ks, vs, rows, starts,
-                              self.ticks, self.walked, self.counts, k_st, v_st, q, self.splits,
-                              scales, np.float32(cap), alibi, win, self._fmt, sinks,
-                              fold.PARALLEL_MIN_PAIRS, *self._empty, out, ok)
+        kernel = decode_walk.hot_walks_parallel if self._split(rows, starts, G, win) \
+            else decode_walk.hot_walks
+        kernel(layer, slots, tokens, last_uses, ks, vs, rows, starts,
+               self.ticks, self.walked, self.counts, k_st, v_st, q, self.splits,
+               scales, np.float32(cap), alibi, win, self._fmt, sinks,
+               fold.PARALLEL_MIN_PAIRS, *self._empty, out, ok)
         made = rows[ok]
         if made.size:
             share = (time.perf_counter() - t0) / made.size
@@ -140,6 +150,20 @@ class HotWalks:
                 pages, tokens = (self.counts[g] - before[g]).tolist()
                 self.last[g] = (pages, tokens, share)
         return ok
+
+    def _split(self, rows: np.ndarray, starts: np.ndarray, n_grp: int, win: int) -> bool:
+        """Whether the rows' walks run on the threads side by side (`hot_walks_parallel`,
+        each fold on one thread): when at least two rows are members and no member's fold
+        would run on several threads alone (`fold.walk_plan`'s rule: a long context's fold
+        keeps both threads to itself, `hot_walks`). Either way the same bits."""
+        g = rows[rows >= 0]
+        if not self.parallel or g.size < 2:
+            return False
+        context, page = starts[g] + 1, self.page_tokens[g]
+        lo = np.maximum(context - win, 0) // page if win > 0 else 0
+        n_pg = -(-context // page) - lo
+        return not fold._fold_in_parallel(1, n_grp, self.n_head * int(n_pg.max()),
+                                          int(page.max()))
 
     def flush(self, g: int) -> None:
         """Hand atlas g the bookkeeping of its walks so far (before its own path, and at the

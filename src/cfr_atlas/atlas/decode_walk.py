@@ -25,7 +25,7 @@ file changes; after editing fold.py (or page_sum.py, storage.py) in a checkout, 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from cfr_atlas.atlas.fold import SRC_HOT, SRC_MAP, _fold_walk
 
@@ -150,6 +150,49 @@ def append_fold(slot, tokens, last_use, k_hot, v_hot, heads, start, k_st, v_st, 
 
 
 @njit(cache=True, nogil=True)
+def _hot_walk(r, layer, slots, tokens, last_uses, ks, vs, members, starts, ticks, walked, counts,
+              k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks, min_pairs, empty_k,
+              empty_v, out, ok, serial):
+    """Row r of `hot_walks` (serial: the fold's serial kernels, whatever the plan says)."""
+    ok[r] = False
+    g = members[r]
+    if g < 0 or layer >= len(slots[g]):  # not a member, or no tables for the layer yet
+        return
+    n_head, n_grp = q.shape[1], q.shape[2]
+    dv = out.shape[3]
+    slot, tok, last = slots[g][layer], tokens[g][layer], last_uses[g][layer]
+    k, v = ks[g][0], vs[g][0]
+    page_tokens, split = v.shape[1], splits[g]
+    start = starts[g]
+    context = start + 1
+    lo = max(0, context - win) // page_tokens if win > 0 else 0
+    n_pages = (context + page_tokens - 1) // page_tokens
+    if not (lo < n_pages <= slot.shape[1] and n_head <= slot.shape[0]):
+        return
+    n_pg = n_pages - lo
+    hot = np.empty((n_head, n_pg), dtype=np.int64)
+    tick = ticks[g]
+    if not append_walk(slot, tok, last, k, v, np.arange(n_head), start, k_st[r:r + 1],
+                       v_st[r:r + 1], lo, tick + 1, tick + 2, hot, True, False):
+        return
+    n_part = (lo + n_pg + split - 1) // split
+    plan = (n_head * ((lo + n_pg - 1) // split - lo // split + 1),
+            not serial and n_grp * n_head * n_pg * page_tokens >= min_pairs,
+            not serial and n_head * n_part * n_grp * dv >= min_pairs)
+    qpos = np.full(1, start, dtype=np.int64)
+    walk = (np.zeros((n_head, n_pg), dtype=np.int64), hot,
+            np.zeros((n_head, n_pg), dtype=np.uint32), np.zeros((n_head, n_pg), dtype=np.uint8))
+    _fold_walk(q[r:r + 1], qpos, (k, v, empty_k, empty_v, empty_k, empty_v), walk,
+               (lo, context, split), (scales[g], cap, alibi, win, fmt), sinks, out[r:r + 1],
+               plan)
+    ticks[g] = tick + 2
+    walked[g, layer] += 1
+    counts[g, 0] += n_head * n_pg
+    counts[g, 1] += (context - lo * page_tokens) * n_head
+    ok[r] = True
+
+
+@njit(cache=True, nogil=True)
 def hot_walks(layer, slots, tokens, last_uses, ks, vs, members, starts, ticks, walked, counts,
               k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks, min_pairs, empty_k,
               empty_v, out, ok):
@@ -168,42 +211,19 @@ def hot_walks(layer, slots, tokens, last_uses, ks, vs, members, starts, ticks, w
     walked[g, layer] += 1, counts[g] += (pages folded, tokens consumed) and ok[r] = True;
     else nothing is written and ok[r] = False (the caller takes the sequence's own path). The
     fold is `fold._fold_walk`, so every bit is the per-sequence walk's."""
-    n_head, n_grp = q.shape[1], q.shape[2]
-    heads = np.arange(n_head)
-    dv = out.shape[3]
-    qpos = np.empty(1, dtype=np.int64)
     for r in range(members.shape[0]):
-        ok[r] = False
-        g = members[r]
-        if g < 0 or layer >= len(slots[g]):  # not a member, or no tables for the layer yet
-            continue
-        slot, tok, last = slots[g][layer], tokens[g][layer], last_uses[g][layer]
-        k, v = ks[g][0], vs[g][0]
-        page_tokens, split = v.shape[1], splits[g]
-        start = starts[g]
-        context = start + 1
-        lo = max(0, context - win) // page_tokens if win > 0 else 0
-        n_pages = (context + page_tokens - 1) // page_tokens
-        if not (lo < n_pages <= slot.shape[1] and n_head <= slot.shape[0]):
-            continue
-        n_pg = n_pages - lo
-        hot = np.empty((n_head, n_pg), dtype=np.int64)
-        tick = ticks[g]
-        if not append_walk(slot, tok, last, k, v, heads, start, k_st[r:r + 1], v_st[r:r + 1],
-                           lo, tick + 1, tick + 2, hot, True, False):
-            continue
-        n_part = (lo + n_pg + split - 1) // split
-        plan = (n_head * ((lo + n_pg - 1) // split - lo // split + 1),
-                n_grp * n_head * n_pg * page_tokens >= min_pairs,
-                n_head * n_part * n_grp * dv >= min_pairs)
-        qpos[0] = start
-        walk = (np.zeros((n_head, n_pg), dtype=np.int64), hot,
-                np.zeros((n_head, n_pg), dtype=np.uint32), np.zeros((n_head, n_pg), dtype=np.uint8))
-        _fold_walk(q[r:r + 1], qpos, (k, v, empty_k, empty_v, empty_k, empty_v), walk,
-                   (lo, context, split), (scales[g], cap, alibi, win, fmt), sinks, out[r:r + 1],
-                   plan)
-        ticks[g] = tick + 2
-        walked[g, layer] += 1
-        counts[g, 0] += n_head * n_pg
-        counts[g, 1] += (context - lo * page_tokens) * n_head
-        ok[r] = True
+        _hot_walk(r, layer, slots, tokens, last_uses, ks, vs, members, starts, ticks, walked,
+                  counts, k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks, min_pairs,
+                  empty_k, empty_v, out, ok, False)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def hot_walks_parallel(layer, slots, tokens, last_uses, ks, vs, members, starts, ticks, walked,
+                       counts, k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks,
+                       min_pairs, empty_k, empty_v, out, ok):
+    """`hot_walks` with the rows split between threads, each row's fold on its own thread
+    (the fold's serial kernels: the same work items, so the same bits)."""
+    for r in prange(members.shape[0]):
+        _hot_walk(np.int64(r), layer, slots, tokens, last_uses, ks, vs, members, starts, ticks,
+                  walked, counts, k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks,
+                  min_pairs, empty_k, empty_v, out, ok, True)
