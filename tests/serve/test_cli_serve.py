@@ -95,7 +95,24 @@ def test_serve_releases_the_main_threads_kernel_pool_before_serving(monkeypatch,
     import cfr_atlas.serve.app as app_mod
 
     order = []
+    real_warm_up = app_mod.warm_up
+    monkeypatch.setattr(app_mod, "warm_up", lambda m: order.append("warm") or real_warm_up(m))
     monkeypatch.setattr(app_mod, "release_pool", lambda: order.append("release") or True)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: order.append("run"))
     assert cli.main(["serve", "--model", str(tiny_llama)]) == 0
-    assert order == ["release", "run"]
+    assert order == ["warm", "release", "run"]
+
+
+def test_the_warm_up_runs_a_batched_decode_step(monkeypatch, tiny_llama):
+    """Before serving, a decode step of two sequences at once builds the batched walks
+    (their typed lists cost a process ~1 s of compiling, paid here, not by a client)."""
+    import cfr_atlas.serve.app as app_mod
+    from cfr_atlas.atlas import batch_walk
+    from cfr_atlas.engine import load_model
+
+    made = []
+    real_run = batch_walk.HotWalks.run
+    monkeypatch.setattr(batch_walk.HotWalks, "run",
+                        lambda self, *a, **k: made.append(real_run(self, *a, **k)) or made[-1])
+    app_mod.warm_up(load_model(tiny_llama))
+    assert made and all(ok.all() for ok in made[len(made) // 2:])  # the second step batched

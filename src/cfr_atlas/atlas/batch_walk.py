@@ -11,7 +11,9 @@ what the per-sequence call makes. The walks are memory-bound (a token's pages co
 memory after the layer's weights pushed them out of cache: ~25-30 us a sequence and layer on
 the bundled model against ~9 us warm), so when no single fold needs both threads the rows run
 side by side, one fold per thread (`hot_walks_parallel`; each sequence's walk reads and
-writes only its own cache). A sequence whose walk does not apply there
+writes only its own cache). The walks then share the memory's bandwidth two ways: at long
+contexts the fold reads each sequence's K/V (23,040 bytes a token on the bundled model) and
+that stream, not the arithmetic, sets its pace. A sequence whose walk does not apply there
 (a new page, a miss, a budget that evicts) takes its own path for that layer, after its
 bookkeeping so far is handed back to its Atlas (`flush`), so that path sees the state it
 would have seen.
@@ -136,7 +138,7 @@ class HotWalks:
         self.n_head = H
         before = self.counts.copy()
         t0 = time.perf_counter()
-        kernel = decode_walk.hot_walks_parallel if self._split(rows, starts, G, win) \
+        kernel = decode_walk.hot_walks_parallel if self._split(rows, starts, win) \
             else decode_walk.hot_walks
         kernel(layer, slots, tokens, last_uses, ks, vs, rows, starts,
                self.ticks, self.walked, self.counts, k_st, v_st, q, self.splits,
@@ -151,19 +153,19 @@ class HotWalks:
                 self.last[g] = (pages, tokens, share)
         return ok
 
-    def _split(self, rows: np.ndarray, starts: np.ndarray, n_grp: int, win: int) -> bool:
+    def _split(self, rows: np.ndarray, starts: np.ndarray, win: int) -> bool:
         """Whether the rows' walks run on the threads side by side (`hot_walks_parallel`,
-        each fold on one thread): when at least two rows are members and no member's fold
-        would run on several threads alone (`fold.walk_plan`'s rule: a long context's fold
-        keeps both threads to itself, `hot_walks`). Either way the same bits."""
+        each fold on one thread): when at least two rows are members and no member's walk
+        is more than half of all their pages (so the threads' shares can be even); else in
+        turn (`hot_walks`: a long walk's fold keeps both threads to itself, by
+        `fold.walk_plan`'s rule). Either way the same bits."""
         g = rows[rows >= 0]
         if not self.parallel or g.size < 2:
             return False
         context, page = starts[g] + 1, self.page_tokens[g]
         lo = np.maximum(context - win, 0) // page if win > 0 else 0
-        n_pg = -(-context // page) - lo
-        return not fold._fold_in_parallel(1, n_grp, self.n_head * int(n_pg.max()),
-                                          int(page.max()))
+        pages = -(-context // page) - lo
+        return 2 * int(pages.max()) <= int(pages.sum())
 
     def flush(self, g: int) -> None:
         """Hand atlas g the bookkeeping of its walks so far (before its own path, and at the

@@ -13,6 +13,7 @@ import logging
 import sys
 from contextlib import asynccontextmanager
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -115,6 +116,29 @@ def create_app(model, config: ServerConfig | None = None) -> Starlette:
     return app
 
 
+def warm_up(model) -> None:
+    """Compile (or load from numba's cache) what serving runs before a client waits for it:
+    one stream's prefill and decode, and a decode step of two sequences at once (the batched
+    walks and their typed lists, atlas/batch_walk.py: ~1 s of compiling in every process)."""
+    from cfr_atlas.models.batch import BatchItem
+
+    model.generate("hi", max_tokens=2)
+    ids = model.tokenize("hi")
+    sessions = [model.session() for _ in range(2)]
+    try:
+        for s in sessions:
+            model.net.forward_chunk(s, np.asarray(ids, dtype=np.int64), output=False)
+        for _ in range(2):
+            out = model.net.forward_batch([BatchItem(s, np.asarray(ids[-1:], dtype=np.int64))
+                                           for s in sessions])
+            for r in out:
+                if isinstance(r, Exception):
+                    raise r
+    finally:
+        for s in sessions:
+            s.close()
+
+
 def serve(config: ServerConfig, **load_kw) -> None:
     """Load the model (`load_model(config.model_path, **load_kw)`: prefix_cache,
     prefix_cache_bytes, prefix_store, prefix_store_ttl) and serve it with uvicorn until
@@ -124,7 +148,7 @@ def serve(config: ServerConfig, **load_kw) -> None:
     from cfr_atlas.engine import load_model
 
     model = load_model(config.model_path, **load_kw)
-    model.generate("hi", max_tokens=2)  # compile the kernels before a client waits for them
+    warm_up(model)
     app = create_app(model, config)
     _ = app.state.service.grammar  # prepare the structured-output vocabulary (0.2-4 s) now
     # From here the scheduler thread runs every kernel: free the pool the main thread built,
