@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from atlas_reference import cache_state, check_accounting
 
-from cfr_atlas.atlas import batch_walk
+from cfr_atlas.atlas import batch_walk, decode_walk, fold
 from cfr_atlas.engine import load_model
 from cfr_atlas.models.batch import BatchItem
 from cfr_atlas.testing.tiny_gemma3 import write_tiny_gemma3
@@ -43,19 +43,29 @@ def _counters(session) -> dict:
 def _pair(model, kws, tmp_path):
     made = []
     for side in ("solo", "batch"):
-        made.append([model.session(page_tokens=PAGE, context_limit=96,
-                                   **({**kw, "cache_dir": tmp_path / side / str(i)}
-                                      if "cache_dir" in kw else kw))
+        made.append([model.session(**{"page_tokens": PAGE, "context_limit": 96, **kw,
+                                      **({"cache_dir": tmp_path / side / str(i)}
+                                         if "cache_dir" in kw else {})})
                      for i, kw in enumerate(kws)])
     return made
 
 
-@pytest.mark.parametrize("side_by_side", [True, False], ids=["threads", "in-turn"])
+@pytest.mark.parametrize("side_by_side, min_pairs", [(True, None), (False, None), (True, 1)],
+                         ids=["threads", "in-turn", "threads-vs-parallel-folds"])
 @pytest.mark.parametrize("storage", ["float16", "float32"])
-def test_batched_walks_are_each_sequence_alone(model, storage, side_by_side, tmp_path,
-                                               monkeypatch):
+def test_batched_walks_are_each_sequence_alone(model, storage, side_by_side, min_pairs,
+                                               tmp_path, monkeypatch):
+    """min_pairs=1: every fold alone takes the parallel kernels (fold.walk_plan), while the
+    walks side by side run each fold on one thread: the same items, the same bits."""
     c = model.config
     monkeypatch.setattr(batch_walk.HotWalks, "parallel", side_by_side)
+    if min_pairs is not None:
+        monkeypatch.setattr(fold, "PARALLEL_MIN_PAIRS", min_pairs)
+    drivers = []
+    for name in ("hot_walks", "hot_walks_parallel"):
+        real_kernel = getattr(decode_walk, name)
+        monkeypatch.setattr(decode_walk, name, lambda *a, _k=real_kernel, _n=name:
+                            drivers.append(_n) or _k(*a))
     page = PAGE * c.head_dim * 2 * (2 if storage == "float16" else 4)
     kws = [{}, {}, {"kv_budget": 3 * page * c.n_kv_heads + 96 * c.n_layers * c.dim * 4,
                     "regenerator": "recompute"},
@@ -71,10 +81,8 @@ def test_batched_walks_are_each_sequence_alone(model, storage, side_by_side, tmp
         return ok
 
     def lists(self):
-        before = self._versions
         out = real_lists(self)
-        if self._versions != before:
-            fetched.append(1)
+        fetched.append(self._versions)
         return out
 
     monkeypatch.setattr(batch_walk.HotWalks, "run", run)
@@ -94,10 +102,14 @@ def test_batched_walks_are_each_sequence_alone(model, storage, side_by_side, tmp
                 assert cache_state(batch[i].atlas) == cache_state(s.atlas), (step, i)
                 assert _counters(batch[i]) == _counters(s), (step, i)
                 check_accounting(batch[i].atlas)
-        walked, rows = sum(m for m, _ in made), sum(n for _, n in made)
+        walked = sum(m for m, _ in made)
         # the unbounded sequences' walks were batched except at page starts
-        assert walked > 0.6 * 20 * c.n_layers * 2 and rows >= walked
-        assert len(fetched) > 1  # caches replaced arrays (pages admitted) and lists followed
+        assert walked > 0.6 * 20 * c.n_layers * 2
+        # caches replaced arrays while decoding (pages admitted, tables grown), and the lists
+        # followed: the versions the calls ran with moved after the first step
+        assert len(set(fetched[2 * c.n_layers:])) > 1
+        # side by side: the parallel driver ran (sequences of even lengths); else never
+        assert ("hot_walks_parallel" in drivers) == side_by_side and drivers
         assert batch[2].telemetry_summary()["pages_regenerated"] > 0
     finally:
         for s in solo + batch:
@@ -126,4 +138,39 @@ def test_one_sequence_and_mapping_regenerators_keep_their_own_call(tiny_llama, t
         assert not built  # one member only
     finally:
         for s in spill + [one]:
+            s.close()
+
+
+def test_a_member_whose_regenerator_refuses_leaves_the_step_alone(tiny_llama, tmp_path):
+    """A member's regenerator copy that raises (recompute past the tokens it keeps inputs for)
+    fails that item only: the others' logits, caches and counters are their solo runs'."""
+    from cfr_atlas.errors import CapacityError
+
+    model = load_model(tiny_llama)
+    c = model.config
+    page = PAGE * c.head_dim * 2 * 2
+    kws = [{}, {"kv_budget": 2 * page * c.n_kv_heads + 12 * c.n_layers * c.dim * 4,
+                "regenerator": "recompute", "context_limit": 12}, {}]
+    solo, batch = _pair(model, [dict(kw) for kw in kws], tmp_path)
+    try:
+        for i, n in enumerate((5, 10, 9)):
+            for s in (solo[i], batch[i]):
+                model.net.forward_chunk(s, IDS[:n], output=False)
+        failed = 0
+        for step in range(4):
+            live = [i for i in range(3) if i != 1 or not failed]
+            got = model.net.forward_batch([BatchItem(batch[i], IDS[step:step + 1])
+                                           for i in live])
+            for i, out in zip(live, got, strict=True):
+                if i == 1 and isinstance(out, Exception):
+                    assert isinstance(out, CapacityError)
+                    failed += 1
+                    continue
+                want = model.net.forward_chunk(solo[i], IDS[step:step + 1], all_logits=False)
+                assert np.array_equal(out, want), (step, i)
+                assert cache_state(batch[i].atlas) == cache_state(solo[i].atlas)
+                assert _counters(batch[i]) == _counters(solo[i])
+        assert failed == 1
+    finally:
+        for s in solo + batch:
             s.close()

@@ -147,3 +147,30 @@ def test_below_threshold_stays_serial(parallel_calls):
     problem = _problem(np.random.default_rng(9), StorageDtype.FLOAT32)
     _dispatched(*problem)
     assert parallel_calls == {"fold": 0, "merge": 0}
+
+
+def test_the_compiled_plan_is_the_rules():
+    """fold.plan_sizes (what the batched decode walk plans with, compiled) equals the three
+    rules the general path reads (_walk_items, _fold_in_parallel, _merge_in_parallel), over
+    sizes around every threshold, at the default threshold and another."""
+    from cfr_atlas.atlas import fold
+
+    for min_pairs in (fold.PARALLEL_MIN_PAIRS, 300):
+        for n_tok in (1, 3):
+            for n_head, n_grp, dv in ((1, 1, 8), (3, 3, 64), (8, 4, 128)):
+                for n_pg in (1, 2, 5, 17):
+                    for lo in (0, 1, 6):
+                        for split in (1, 4):
+                            for page_tokens in (16, 256):
+                                n_part = (lo + n_pg + split - 1) // split
+                                want = (fold._walk_items(n_tok, n_head, n_pg, lo, split),
+                                        n_tok * n_grp * n_head * n_pg * page_tokens
+                                        >= min_pairs,
+                                        n_tok * n_head * n_part * n_grp * dv >= min_pairs)
+                                args = (n_tok, n_head, n_grp, n_pg, lo, split, page_tokens,
+                                        dv, min_pairs)
+                                assert fold.plan_sizes(*args) == want, args
+                                assert fold._plan_of(*args) == want, args
+    rules = (fold._fold_in_parallel(2, 3, 4, 256), fold._merge_in_parallel((2, 3, 4, 3, 64)))
+    saved = fold.PARALLEL_MIN_PAIRS
+    assert rules == (2 * 3 * 4 * 256 >= saved, 2 * 3 * 4 * 3 * 64 >= saved)

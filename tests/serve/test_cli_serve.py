@@ -107,12 +107,19 @@ def test_the_warm_up_runs_a_batched_decode_step(monkeypatch, tiny_llama):
     """Before serving, a decode step of two sequences at once builds the batched walks
     (their typed lists cost a process ~1 s of compiling, paid here, not by a client)."""
     import cfr_atlas.serve.app as app_mod
-    from cfr_atlas.atlas import batch_walk
+    from cfr_atlas.atlas import batch_walk, decode_walk
     from cfr_atlas.engine import load_model
 
-    made = []
+    made, drivers = [], []
     real_run = batch_walk.HotWalks.run
     monkeypatch.setattr(batch_walk.HotWalks, "run",
                         lambda self, *a, **k: made.append(real_run(self, *a, **k)) or made[-1])
-    app_mod.warm_up(load_model(tiny_llama))
-    assert made and all(ok.all() for ok in made[len(made) // 2:])  # the second step batched
+    for name in ("hot_walks", "hot_walks_parallel"):
+        real_kernel = getattr(decode_walk, name)
+        monkeypatch.setattr(decode_walk, name, lambda *a, _k=real_kernel, _n=name:
+                            drivers.append(_n) or _k(*a))
+    model = load_model(tiny_llama)
+    app_mod.warm_up(model)
+    n = model.config.n_layers
+    assert len(made) == 3 * n and all(ok.all() for ok in made[n:])  # steps 2 and 3 batched
+    assert set(drivers) == {"hot_walks", "hot_walks_parallel"}  # both drivers compiled

@@ -36,8 +36,9 @@ import time
 import numpy as np
 
 from cfr_atlas.atlas import decode_walk, fold
-from cfr_atlas.atlas.runtime import _default_score
+from cfr_atlas.atlas.runtime import default_score
 from cfr_atlas.atlas.storage import format_of
+from cfr_atlas.errors import DimensionError
 
 
 class HotWalks:
@@ -87,7 +88,7 @@ class HotWalks:
         """Before a step: every atlas's clock read, nothing gathered."""
         for g, a in enumerate(self.atlases):
             if a is not None:
-                self.ticks[g] = a._tick
+                self.ticks[g] = a.clock
         if self.walked is None or self.walked.shape[1] < n_layers:
             self.walked = np.zeros((len(self.atlases), n_layers), dtype=np.int64)
         else:
@@ -114,18 +115,28 @@ class HotWalks:
     def run(self, layer: int, rows: np.ndarray, starts: np.ndarray, k_st: np.ndarray,
             v_st: np.ndarray, q: np.ndarray, out: np.ndarray, scale=None,
             window=None) -> np.ndarray:
-        """One layer for the step's rows: rows[r] the atlas index of row r (-1: none), starts
-        its position; rows (n, H, D) of the storage dtype, q (n, H, G, D) float32, out (n, H,
-        G, Dv) float32, all C-contiguous, and the layer's scale and window (the attention
+        """One layer for the step's rows: rows (n,) int64, rows[r] the atlas index of row r
+        (-1: none); starts (atlases,) int64, each atlas's position (indexed by atlas, not by
+        row); rows k_st, v_st (n, H, D) of the storage dtype, q (n, H, G, D) float32, out (n,
+        H, G, Dv) float32, all C-contiguous, and the layer's scale and window (the attention
         options a decode step passes). Returns ok (n,) bool: True where the row's walk was
-        made here (out[r] written), False where the row must take its own path."""
+        made here (out[r] written), False where the row must take its own path. The kernel
+        trusts these shapes (numba checks no index), so they are checked here."""
         n, H, G = q.shape[:3]
+        arrays = (rows, starts, k_st, v_st, q, out)
         if (k_st.shape != (n, H, self.head_dim) or v_st.shape != (n, H, self.value_dim)
                 or k_st.dtype != self.dtype.array_dtype or v_st.dtype != k_st.dtype
-                or out.shape != (n, H, G, self.out_dim) or rows.shape != (n,)
-                or layer >= self.walked.shape[1]):
-            raise ValueError(f"HotWalks.run: rows {k_st.shape} / {v_st.shape}, query {q.shape}, "
-                             f"out {out.shape} do not fit")
+                or q.shape[3] != self.head_dim or out.shape != (n, H, G, self.out_dim)
+                or q.dtype != np.float32 or out.dtype != np.float32
+                or rows.shape != (n,) or starts.shape != (len(self.atlases),)
+                or rows.dtype != np.int64 or starts.dtype != np.int64
+                or not all(a.flags.c_contiguous for a in arrays)
+                or not 0 <= layer < self.walked.shape[1]
+                or (n and not -1 <= int(rows.min()) <= int(rows.max()) < len(self.atlases))):
+            raise DimensionError(f"HotWalks.run: rows {k_st.shape} {k_st.dtype} / {v_st.shape}, "
+                                 f"query {q.shape} {q.dtype}, out {out.shape}, {rows.shape} "
+                                 f"row indices and {starts.shape} positions do not fit "
+                                 f"{len(self.atlases)} sequences of head_dim {self.head_dim}")
         ok = np.zeros(n, dtype=np.bool_)
         slots, tokens, last_uses, ks, vs = self._current_lists()
         win = 0 if window is None else int(window)
@@ -134,7 +145,7 @@ class HotWalks:
             scales = self._scales[scale] = np.array(
                 [1.0 if a is None else a.config.query_scale() if scale is None else float(scale)
                  for a in self.atlases], dtype=np.float32)
-        _, cap, alibi, _, sinks = _default_score(H, G, 1.0, win)
+        _, cap, alibi, _, sinks = default_score(H, G, 1.0, win)
         self.n_head = H
         before = self.counts.copy()
         t0 = time.perf_counter()
@@ -149,8 +160,8 @@ class HotWalks:
             share = (time.perf_counter() - t0) / made.size
             self.seconds[made] += share
             for g in made.tolist():
-                pages, tokens = (self.counts[g] - before[g]).tolist()
-                self.last[g] = (pages, tokens, share)
+                pages, consumed = (self.counts[g] - before[g]).tolist()
+                self.last[g] = (pages, consumed, share)
         return ok
 
     def _split(self, rows: np.ndarray, starts: np.ndarray, win: int) -> bool:
@@ -182,10 +193,14 @@ class HotWalks:
             self.seconds[g] = 0.0
 
     def resync(self, g: int) -> None:
-        """After atlas g took its own path: read its clock again."""
+        """After atlas g took its own path: read its clock again, and let the lists go if
+        that path replaced one of its cache's arrays (they would hold the old one until the
+        next layer's call)."""
         a = self.atlases[g]
         if a is not None:
-            self.ticks[g] = a._tick
+            self.ticks[g] = a.clock
+            if self._versions is not None and self._versions[g] != a.cache.walk_version:
+                self._lists = self._versions = None
 
     def end(self) -> None:
         """After the step (or when it fails): every atlas's bookkeeping handed back, and the

@@ -13,8 +13,9 @@ be resident: `append_fold` alone, over a mapping that maps nothing (every page m
 missing), is the whole layer. Anything else (a new page, a stale partial page, a page the
 mapping lacks) is reported, with nothing written, and the caller takes the general path.
 
-The tables (slot, tokens, last_use: (heads, pages) int64) and slabs are `HotCache`'s: only its
-methods call these kernels. The fold is `fold._fold_walk` (`fold.fold_walk`'s kernel), whose
+The tables (slot, tokens, last_use: (heads, pages) int64) and slabs are `HotCache`'s: its
+methods call these kernels, and `hot_walks` takes them through `HotCache.walk_lists` (the
+batched walk, atlas/batch_walk.py). The fold is `fold._fold_walk` (`fold.fold_walk`'s kernel), whose
 work items are the general path's (`_fold_item`, `_merge_item`), so the result is bitwise that
 of the general path. No policy, accounting or telemetry here. numba's cache: `append_fold`
 compiles the fold's kernels into this module's cache entry, which numba renews only when this
@@ -27,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from cfr_atlas.atlas.fold import SRC_HOT, SRC_MAP, _fold_walk
+from cfr_atlas.atlas.fold import SRC_HOT, SRC_MAP, _fold_walk, plan_sizes
 
 
 @njit(cache=True, nogil=True)
@@ -175,10 +176,9 @@ def _hot_walk(r, layer, slots, tokens, last_uses, ks, vs, members, starts, ticks
     if not append_walk(slot, tok, last, k, v, np.arange(n_head), start, k_st[r:r + 1],
                        v_st[r:r + 1], lo, tick + 1, tick + 2, hot, True, False):
         return
-    n_part = (lo + n_pg + split - 1) // split
-    plan = (n_head * ((lo + n_pg - 1) // split - lo // split + 1),
-            not serial and n_grp * n_head * n_pg * page_tokens >= min_pairs,
-            not serial and n_head * n_part * n_grp * dv >= min_pairs)
+    items, fold_parallel, merge_parallel = plan_sizes(1, n_head, n_grp, n_pg, lo, split,
+                                                      page_tokens, dv, min_pairs)
+    plan = (items, fold_parallel and not serial, merge_parallel and not serial)
     qpos = np.full(1, start, dtype=np.int64)
     walk = (np.zeros((n_head, n_pg), dtype=np.int64), hot,
             np.zeros((n_head, n_pg), dtype=np.uint32), np.zeros((n_head, n_pg), dtype=np.uint8))

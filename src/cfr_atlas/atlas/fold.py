@@ -371,14 +371,22 @@ def walk_plan(q, slot, span, slabs, out) -> tuple:
                     out.shape[3], PARALLEL_MIN_PAIRS)
 
 
-@functools.lru_cache(maxsize=256)
-def _plan_of(n_tok, n_head, n_grp, n_pg, lo, split, page_tokens, dv, min_pairs) -> tuple:
-    """`walk_plan` of a walk's sizes, remembered (min_pairs: the threshold the rules read
-    now, part of the key)."""
+@njit(cache=True, nogil=True)
+def plan_sizes(n_tok, n_head, n_grp, n_pg, lo, split, page_tokens, dv, min_pairs):
+    """`walk_plan` of a walk's sizes: (work items, fold in parallel, merge in parallel) by
+    `_walk_items`', `_fold_in_parallel`'s and `_merge_in_parallel`'s rules with threshold
+    min_pairs; compiled, so the batched decode walk (decode_walk.hot_walks) plans each walk
+    by the same code as `walk_plan` (tests/atlas/test_fold_parallel.py holds the rules and this
+    equal)."""
     n_part = (lo + n_pg + split - 1) // split
-    return (_walk_items(n_tok, n_head, n_pg, lo, split),
-            _fold_in_parallel(n_tok, n_grp, n_head * n_pg, page_tokens),
-            _merge_in_parallel((n_tok, n_head, n_part, n_grp, dv)))
+    return (n_head * ((lo + n_pg - 1) // split - lo // split + 1) * n_tok,
+            n_tok * n_grp * n_head * n_pg * page_tokens >= min_pairs,
+            n_tok * n_head * n_part * n_grp * dv >= min_pairs)
+
+
+# `walk_plan` of a walk's sizes, remembered (min_pairs: the threshold the rules read now, part
+# of the key): the Python body of the compiled `plan_sizes`
+_plan_of = functools.lru_cache(maxsize=256)(plan_sizes.py_func)
 
 
 @njit(cache=True, nogil=True)

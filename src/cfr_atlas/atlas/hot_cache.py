@@ -15,7 +15,11 @@ not resident), how many tokens it holds (`tokens`) and when it was last used (`l
 call counter). The fold reads the tables with NumPy, so an all-hot call costs no per-page
 Python. Only this class writes them: the runtime asks it to `admit`, `grow`, `append`,
 `evict`, `truncate`, and for the decode walk over resident and mapped pages (`append_fold`: its
-tables and slabs handed to one compiled call, atlas/decode_walk.py, which also folds).
+tables and slabs handed to one compiled call, atlas/decode_walk.py, which also folds). The one
+other writer is the batched decode walk (atlas/batch_walk.py), to which this class hands its
+tables and slabs as typed lists (`walk_lists`): its kernel appends rows and marks recency
+exactly as `append_fold` does, and the rows' bytes are accounted (`walked`) when the step
+hands each Atlas its bookkeeping, so within a step `resident_bytes` may lag the rows written.
 
 Invariants (checked by the stateful test):
 - held_bytes == slots held x page_bytes <= budget, and per layer <= the layer budget;

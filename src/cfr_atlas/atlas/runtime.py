@@ -113,19 +113,21 @@ def _filled(n_head: int, n_grp: int, fill: float) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def _default_score(n_head: int, n_grp: int, scale: float, window: int) -> tuple:
+def default_score(n_head: int, n_grp: int, scale: float, window: int) -> tuple:
     """`Atlas._score(n_head, n_grp, scale=scale, window=window or None)` (a valid scale and
     window; 0: none), the other options at their defaults: shared by every call (its arrays
     are `_filled`'s)."""
     return (scale, 0.0, _filled(n_head, n_grp, 0.0), window, _filled(n_head, n_grp, np.nan))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=8)
 def _maps_nothing(n_head: int, n_pg: int) -> tuple:
     """The mapping tables of a walk that maps nothing ((n_head, n_pg) slot, expected sums,
     missing (all set), (n_pg,) lens, bad), for `HotCache.append_fold` on an all-hot walk:
     shared by every call of that size (the kernel writes only `bad`, and only for a mapped
-    page, of which this walk has none)."""
+    page, of which this walk has none). A decode's walk grows by a page every page_tokens
+    tokens, so the few sizes kept (8: 22 bytes a head and page each, outside the budget like
+    every table) serve it; a longer cache would only hold old sizes."""
     shape = (n_head, n_pg)
     return (np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.uint32),
             np.ones(shape, dtype=np.bool_), np.zeros(n_pg, dtype=np.int64),
@@ -315,7 +317,7 @@ class Atlas:
                                  f"{v_st.shape}, query {query.shape}, out "
                                  f"{None if out is None else out.shape} do not fit "
                                  f"(head_dim {cfg.head_dim}, {cfg.dtype.value} storage)")
-        args = _default_score(H, G, cfg.query_scale() if scale is None else float(scale),
+        args = default_score(H, G, cfg.query_scale() if scale is None else float(scale),
                               0 if window is None else int(window))
         return self._walk_hot(backend, layer, start_token, k_st, v_st, query, args, out)
 
@@ -544,6 +546,11 @@ class Atlas:
                               fold_seconds=seconds)
         self._total.add_walk(self._last)
         return out
+
+    @property
+    def clock(self) -> int:
+        """The recency clock: calls so far (each write and each attend call ticks it)."""
+        return self._tick
 
     def batched_walks(self, walked: np.ndarray, n_head: int, tick: int, counts: list,
                       seconds: float, last: tuple) -> None:

@@ -288,18 +288,26 @@ class DecodeStep:
                               lay.k_norm if has_norm else _NONE, has_norm, eps, cos, sin,
                               self.neox, fmt, b.q_in, b.k_in, b.q, b.k, b.v, k_st, v_st)
             done = members = None
+            gone = []
             if walks is not None:
                 members = walks.member[live]
                 if stored:  # the member rows' walks in one call (the regenerators' copies first)
                     for r, j in enumerate(live):
-                        if members[r] >= 0:
+                        if members[r] < 0:
+                            continue
+                        try:
                             sessions[j].record_rows(i, pos0s[j], x[r:r + 1], k_st[r:r + 1],
                                                     v_st[r:r + 1])
+                        except Exception as exc:  # that sequence leaves the step, alone
+                            failed[j] = exc
+                            gone.append(r)
+                    if gone:
+                        members = members.copy()
+                        members[gone] = -1
                     done = walks.run(i, members, starts, k_st, v_st, b.q4, b.attn,
                                      **lay.options)
-            gone = []
             for r, j in enumerate(live):  # per sequence: its own K/V
-                if done is not None and done[r]:
+                if (done is not None and done[r]) or r in gone:
                     continue
                 member = members is not None and members[r] >= 0
                 if member:  # its own path sees the state its batched walks left

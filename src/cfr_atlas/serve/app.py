@@ -118,19 +118,20 @@ def create_app(model, config: ServerConfig | None = None) -> Starlette:
 
 def warm_up(model) -> None:
     """Compile (or load from numba's cache) what serving runs before a client waits for it:
-    one stream's prefill and decode, and a decode step of two sequences at once (the batched
-    walks and their typed lists, atlas/batch_walk.py: ~1 s of compiling in every process)."""
+    one stream's prefill and decode, and decode steps of two sequences at once, with their
+    walks side by side and in turn (the batched walks' two drivers and their typed lists,
+    atlas/batch_walk.py: ~1 s of compiling in every process)."""
     from cfr_atlas.models.batch import BatchItem
 
     model.generate("hi", max_tokens=2)
-    ids = model.tokenize("hi")
-    sessions = [model.session() for _ in range(2)]
+    short = np.asarray(model.tokenize("hi"), dtype=np.int64)
+    long = np.resize(short, 40)  # over 16-token pages: one walk more than half of a pair's
+    sessions = [model.session(), model.session(), model.session(page_tokens=16)]
     try:
-        for s in sessions:
-            model.net.forward_chunk(s, np.asarray(ids, dtype=np.int64), output=False)
-        for _ in range(2):
-            out = model.net.forward_batch([BatchItem(s, np.asarray(ids[-1:], dtype=np.int64))
-                                           for s in sessions])
+        for s, ids in zip(sessions, (short, short, long), strict=True):
+            model.net.forward_chunk(s, ids, output=False)
+        for pair in (sessions[:2], sessions[:2], sessions[1:]):  # side by side twice, in turn
+            out = model.net.forward_batch([BatchItem(s, short[-1:]) for s in pair])
             for r in out:
                 if isinstance(r, Exception):
                     raise r
