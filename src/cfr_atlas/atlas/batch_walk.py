@@ -50,8 +50,7 @@ class HotWalks:
     def __init__(self, atlases: list):
         self.atlases = atlases
         n = len(atlases)
-        configs = [a.config for a in atlases if a is not None]
-        c = configs[0]
+        c = next(a.config for a in atlases if a is not None)
         self.head_dim, self.value_dim, self.out_dim = c.head_dim, c.stored_value_dim, c.out_dim
         self.dtype = c.dtype
         self._fmt = format_of(c.dtype)
@@ -63,9 +62,9 @@ class HotWalks:
                                     dtype=np.int64)
         self.ticks = np.zeros(n, dtype=np.int64)
         self.walked: np.ndarray | None = None  # (n, layers) walks since the last flush
-        self.counts = np.zeros((n, 2), dtype=np.int64)  # pages folded, tokens consumed
-        self.seconds = np.zeros(n, dtype=np.float64)
-        self.last = [None] * n  # per atlas: its last walk's (pages, tokens, seconds)
+        # pages folded and tokens consumed since the last flush, then the last walk's
+        self.counts = np.zeros((n, 4), dtype=np.int64)
+        self.seconds = np.zeros((n, 2), dtype=np.float64)  # since the last flush; last walk's
         self.n_head = 0
         self._scales: dict = {}
         self._versions: tuple | None = None
@@ -147,7 +146,6 @@ class HotWalks:
                  for a in self.atlases], dtype=np.float32)
         _, cap, alibi, _, sinks = default_score(H, G, 1.0, win)
         self.n_head = H
-        before = self.counts.copy()
         t0 = time.perf_counter()
         kernel = decode_walk.hot_walks_parallel if self._split(rows, starts, win) \
             else decode_walk.hot_walks
@@ -158,10 +156,8 @@ class HotWalks:
         made = rows[ok]
         if made.size:
             share = (time.perf_counter() - t0) / made.size
-            self.seconds[made] += share
-            for g in made.tolist():
-                pages, consumed = (self.counts[g] - before[g]).tolist()
-                self.last[g] = (pages, consumed, share)
+            self.seconds[made, 0] += share
+            self.seconds[made, 1] = share
         return ok
 
     def _split(self, rows: np.ndarray, starts: np.ndarray, win: int) -> bool:
@@ -186,8 +182,10 @@ class HotWalks:
             return
         walked = self.walked[g]
         if walked.any():
-            a.batched_walks(walked, self.n_head, int(self.ticks[g]), self.counts[g].tolist(),
-                            float(self.seconds[g]), self.last[g])
+            pages, consumed, last_pages, last_consumed = self.counts[g].tolist()
+            total, last = self.seconds[g].tolist()
+            a.batched_walks(walked, self.n_head, int(self.ticks[g]), [pages, consumed], total,
+                            (last_pages, last_consumed, last))
             walked.fill(0)
             self.counts[g] = 0
             self.seconds[g] = 0.0

@@ -151,44 +151,45 @@ def append_fold(slot, tokens, last_use, k_hot, v_hot, heads, start, k_st, v_st, 
 
 
 @njit(cache=True, nogil=True)
-def _hot_walk(r, layer, slots, tokens, last_uses, ks, vs, members, starts, ticks, walked, counts,
-              k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks, min_pairs, empty_k,
-              empty_v, out, ok, serial):
-    """Row r of `hot_walks` (serial: the fold's serial kernels, whatever the plan says)."""
+def _hot_walk(r, layer, slots, tokens, last_uses, ks, vs, heads, members, starts, ticks, walked,
+              counts, k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks, min_pairs,
+              empty_k, empty_v, out, ok, serial):
+    """Row r of `hot_walks`: `append_fold`'s work for a walk that maps nothing, without its
+    mapping tables (serial: the fold's serial kernels, whatever the plan says)."""
     ok[r] = False
     g = members[r]
     if g < 0 or layer >= len(slots[g]):  # not a member, or no tables for the layer yet
         return
     n_head, n_grp = q.shape[1], q.shape[2]
-    dv = out.shape[3]
-    slot, tok, last = slots[g][layer], tokens[g][layer], last_uses[g][layer]
+    slot = slots[g][layer]
     k, v = ks[g][0], vs[g][0]
     page_tokens, split = v.shape[1], splits[g]
     start = starts[g]
     context = start + 1
     lo = max(0, context - win) // page_tokens if win > 0 else 0
     n_pages = (context + page_tokens - 1) // page_tokens
-    if not (lo < n_pages <= slot.shape[1] and n_head <= slot.shape[0]):
+    if not (lo < n_pages <= slot.shape[1] and n_head <= slot.shape[0]):  # `_walk_tables`
         return
     n_pg = n_pages - lo
     hot = np.empty((n_head, n_pg), dtype=np.int64)
     tick = ticks[g]
-    if not append_walk(slot, tok, last, k, v, np.arange(n_head), start, k_st[r:r + 1],
-                       v_st[r:r + 1], lo, tick + 1, tick + 2, hot, True, False):
+    if not append_walk(slot, tokens[g][layer], last_uses[g][layer], k, v, heads, start,
+                       k_st[r:r + 1], v_st[r:r + 1], lo, tick + 1, tick + 2, hot, True, False):
         return
     items, fold_parallel, merge_parallel = plan_sizes(1, n_head, n_grp, n_pg, lo, split,
-                                                      page_tokens, dv, min_pairs)
+                                                      page_tokens, out.shape[3], min_pairs)
     plan = (items, fold_parallel and not serial, merge_parallel and not serial)
-    qpos = np.full(1, start, dtype=np.int64)
     walk = (np.zeros((n_head, n_pg), dtype=np.int64), hot,
             np.zeros((n_head, n_pg), dtype=np.uint32), np.zeros((n_head, n_pg), dtype=np.uint8))
-    _fold_walk(q[r:r + 1], qpos, (k, v, empty_k, empty_v, empty_k, empty_v), walk,
-               (lo, context, split), (scales[g], cap, alibi, win, fmt), sinks, out[r:r + 1],
-               plan)
+    slabs = (k, v, empty_k, empty_v, empty_k, empty_v)  # hot pages only: no scratch, no map
+    _fold_walk(q[r:r + 1], np.full(1, start, np.int64), slabs, walk, (lo, context, split),
+               (scales[g], cap, alibi, win, fmt), sinks, out[r:r + 1], plan)
+    pages, consumed = n_head * n_pg, (context - lo * page_tokens) * n_head
     ticks[g] = tick + 2
     walked[g, layer] += 1
-    counts[g, 0] += n_head * n_pg
-    counts[g, 1] += (context - lo * page_tokens) * n_head
+    counts[g, 0] += pages
+    counts[g, 1] += consumed
+    counts[g, 2], counts[g, 3] = pages, consumed  # the last walk's
     ok[r] = True
 
 
@@ -208,13 +209,15 @@ def hot_walks(layer, slots, tokens, last_uses, ks, vs, members, starts, ticks, w
     pages lo.. (the window's first page) then resident and whole, the row is appended at
     ticks[g] + 1, those pages marked at ticks[g] + 2, the walk folded and merged into out[r]
     with the plan `fold.walk_plan` gives (its thresholds: min_pairs), ticks[g] += 2,
-    walked[g, layer] += 1, counts[g] += (pages folded, tokens consumed) and ok[r] = True;
-    else nothing is written and ok[r] = False (the caller takes the sequence's own path). The
-    fold is `fold._fold_walk`, so every bit is the per-sequence walk's."""
+    walked[g, layer] += 1, counts[g, :2] += (pages folded, tokens consumed), counts[g, 2:]
+    = those of this walk, and ok[r] = True; else nothing is written and ok[r] = False (the
+    caller takes the sequence's own path). The fold is `fold._fold_walk`, with the plan of
+    `fold.plan_sizes`, so every bit is the per-sequence walk's."""
+    heads = np.arange(q.shape[1])
     for r in range(members.shape[0]):
-        _hot_walk(r, layer, slots, tokens, last_uses, ks, vs, members, starts, ticks, walked,
-                  counts, k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks, min_pairs,
-                  empty_k, empty_v, out, ok, False)
+        _hot_walk(r, layer, slots, tokens, last_uses, ks, vs, heads, members, starts, ticks,
+                  walked, counts, k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks,
+                  min_pairs, empty_k, empty_v, out, ok, False)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -223,7 +226,8 @@ def hot_walks_parallel(layer, slots, tokens, last_uses, ks, vs, members, starts,
                        min_pairs, empty_k, empty_v, out, ok):
     """`hot_walks` with the rows split between threads, each row's fold on its own thread
     (the fold's serial kernels: the same work items, so the same bits)."""
+    heads = np.arange(q.shape[1])
     for r in prange(members.shape[0]):
-        _hot_walk(np.int64(r), layer, slots, tokens, last_uses, ks, vs, members, starts, ticks,
-                  walked, counts, k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks,
-                  min_pairs, empty_k, empty_v, out, ok, True)
+        _hot_walk(np.int64(r), layer, slots, tokens, last_uses, ks, vs, heads, members, starts,
+                  ticks, walked, counts, k_st, v_st, q, splits, scales, cap, alibi, win, fmt,
+                  sinks, min_pairs, empty_k, empty_v, out, ok, True)

@@ -524,8 +524,6 @@ class Atlas:
         context = start + q.shape[0]
         scale, cap, alibi, win, sinks = args
         n_head, n_pg = k_st.shape[1], -(-context // cfg.page_tokens) - lo
-        if n_pg < 1:
-            return None
         slot, expect, refuse, lens, bad = _maps_nothing(n_head, n_pg)
         out, qpos = self._walk_out(q, context, out)
         fold_args = (self._scratch_k, self._scratch_v, *self._no_map, slot, expect, refuse,
