@@ -76,6 +76,9 @@ CASES = {
     "alibi+sinks": dict(alibi=True, sinks=True), "one page": dict(context=4, T=2),
     "D=8": dict(D=8, P=3), "D=3": dict(D=3, G=1), "all": dict(window=12, softcap=2.0, alibi=True,
                                                               sinks=True, split=3),
+    # the register-blocked sums (fold_blocks.py): whole blocks of keys and dims, then tails
+    "blocked": dict(D=64, P=40, G=3, context=100, T=2),
+    "blocked tails": dict(D=80, P=37, G=7, context=90, window=50, softcap=2.0, T=2),
 }
 
 

@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cfr_atlas.atlas.page_sum import page_checksum, page_checksum_numpy, rows_delta
+from cfr_atlas.atlas.page_sum import (
+    halves_sum,
+    k_rows_sum,
+    page_checksum,
+    page_checksum_numpy,
+    rows_delta,
+    v_rows_sum,
+)
 from cfr_atlas.atlas.storage import StorageDtype, round_rows
 
 # (head_dim, page_tokens): K^T pages have head_dim rows and V pages page_tokens rows; the kernel
@@ -61,6 +68,8 @@ def test_every_bit_pattern_sums_as_the_definition(itemsize, shape):
     if itemsize == 4:
         k, v = k.view(np.float32), v.view(np.float32)
     assert int(page_checksum(k, v)) == page_checksum_numpy(k, v)
+    # the halves the fold computes apart (K^T row by row as the page streams in, V after)
+    assert int(halves_sum(k_rows_sum(k), v_rows_sum(v, D))) == page_checksum_numpy(k, v)
     full = np.full_like(k.view(dt), top).view(k.dtype), np.full_like(v.view(dt), top).view(v.dtype)
     assert int(page_checksum(*full)) == page_checksum_numpy(*full)
 

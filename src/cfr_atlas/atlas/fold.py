@@ -28,10 +28,17 @@ in the same order as with a V slab.
 Pages come from three slabs of one layout (K^T (S, D, P), V (S, P, D), storage dtype): the hot
 cache (SRC_HOT), regeneration scratch (SRC_SCRATCH), and a regenerator's memory-mapped pages
 (SRC_MAP, e.g. the page file in the OS page cache, read in place). A mapped page is verified in
-the same kernel: the work item that reads it last computes its checksum (page_sum.py) right
-after folding it (8-10% of the fold at a session's 256-token pages: benchmarks/bench_check.py)
-and flags a mismatch in `bad`; the caller raises before the result is used. 16-bit elements
-are read directly (`to_f32`), never widened into a copy of the page.
+the same kernel: the work item that reads it last computes its checksum (page_sum.py), K^T's
+half row by row before the scores (that pass streams the page in from memory, which the score
+blocks need anyway: see below) and V's half after the values, and flags a mismatch in `bad`;
+the caller raises before the result is used (benchmarks/bench_check.py measures the cost).
+16-bit elements are read directly, never widened into a copy of the page.
+
+The two sums of a page (scores over dims, values over keys) run register-blocked
+(fold_blocks.py): the same operations in the same order as plain loops, so the same bits, with
+the running sums in vector registers. The score blocks read K^T down its rows a block of keys
+at a time, which the hardware prefetchers do not follow from memory, so a page is first read
+in row order (`touch_rows`, or the checksum's K^T half on a checked page).
 
 Each numba kernel has a NumPy twin (`fold_pages_numpy`, `merge_partitions_numpy`) with the same
 signature, used by the tests. This module holds no cache or policy logic.
@@ -52,7 +59,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from cfr_atlas.atlas.page_sum import page_checksum, page_checksum_numpy
+from cfr_atlas.atlas.fold_blocks import DIMS, GROUPS, KEYS, score_block, touch_rows, values_block
+from cfr_atlas.atlas.page_sum import halves_sum, k_rows_sum, page_checksum_numpy, v_rows_sum
 from cfr_atlas.atlas.storage import to_f32
 
 SRC_HOT, SRC_SCRATCH, SRC_MAP = 0, 1, 2
@@ -118,6 +126,41 @@ def _last_reader(t, qpos, window, last_key):
     return window > 0 and qpos[t + 1] - window + 1 > last_key
 
 
+@njit(cache=True, inline="always")
+def _score_blocks(kf, j0, n_blocks, qth, s, fmt):
+    """s[g, :n_blocks * KEYS] = the raw scores of keys j0.. for every group g (fold_blocks.py),
+    up to GROUPS groups a call."""
+    n_grp = qth.shape[0]
+    for g0 in range(0, n_grp, GROUPS):
+        left = n_grp - g0
+        if left >= 4:
+            score_block(kf, j0, n_blocks, qth, g0, s, 4, fmt)
+        elif left == 3:
+            score_block(kf, j0, n_blocks, qth, g0, s, 3, fmt)
+        elif left == 2:
+            score_block(kf, j0, n_blocks, qth, g0, s, 2, fmt)
+        else:
+            score_block(kf, j0, n_blocks, qth, g0, s, 1, fmt)
+
+
+@njit(cache=True, inline="always")
+def _value_blocks(vf, j0, n, p, ag, e_end, fmt):
+    """ag[g, e] += sum_j p[g, j] V(j0 + j, e) for dims e < e_end (a multiple of DIMS), every
+    group (fold_blocks.py)."""
+    n_grp = ag.shape[0]
+    for e0 in range(0, e_end, DIMS):
+        for g0 in range(0, n_grp, GROUPS):
+            left = n_grp - g0
+            if left >= 4:
+                values_block(vf, j0, n, p, g0, ag, e0, 4, fmt)
+            elif left == 3:
+                values_block(vf, j0, n, p, g0, ag, e0, 3, fmt)
+            elif left == 2:
+                values_block(vf, j0, n, p, g0, ag, e0, 2, fmt)
+            else:
+                values_block(vf, j0, n, p, g0, ag, e0, 1, fmt)
+
+
 @njit(cache=True, nogil=True)
 def _fold_item(w, q, qpos, slabs, walk, span, score, state):
     """Work item w = (head h, partition, query t): fold the partition's pages of the walk
@@ -166,14 +209,24 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state):
         i = gp - lo
         kf, vf = _page_slabs(slabs, src[h, i], slot[h, i])
         n = j1 - j0
+        # score_j = sum_e q_e K_je, e in order: blocks of KEYS keys in registers, then the rest
+        n_blocked = (n // KEYS) * KEYS if kf.strides[1] == kf.itemsize else 0
+        # a mapped page is verified by its last reader: K^T's half of the checksum in row
+        # order before the scores (it streams the page in, as the touch would), V's after
+        check = src[h, i] == SRC_MAP and _last_reader(t, qpos, window, start + n_valid - 1)
+        k_sum = k_rows_sum(kf) if check else np.uint32(0)
+        if n_blocked:
+            if not check:
+                touch_rows(kf, j0, n_blocked)  # row order first: the blocks read across rows
+            _score_blocks(kf, j0, n_blocked // KEYS, q[t, h], s, fmt)
         for g in range(n_grp):
             sg = s[g]
-            for j in range(n):
+            for j in range(n_blocked, n):
                 sg[j] = 0.0
-            for e in range(d):  # score_j = sum_e q_e K_je, e in order, lanes across keys
+            for e in range(d):
                 qe = q[t, h, g, e]
                 ke = kf[e]
-                for j in range(n):
+                for j in range(n_blocked, n):
                     sg[j] += qe * to_f32(ke[j0 + j], fmt)
             for j in range(n):  # then scale, softcap, ALiBi: one simple loop each
                 sg[j] = sg[j] * scale
@@ -211,31 +264,33 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state):
                     for j in range(n):
                         a_ge += p[g, j] * to_f32(ke[j0 + j], fmt)
                     ag[g, e] = a_ge
-        else:
-            n4 = n - n % 4
-            for j in range(0, n4, 4):  # four keys per pass over ag; each (g, e) sums keys in order
-                for r in range(4):
-                    for e in range(d):
-                        v4[r, e] = to_f32(vf[j0 + j + r, e], fmt)
-                for g in range(n_grp):
-                    p0, p1, p2, p3 = p[g, j], p[g, j + 1], p[g, j + 2], p[g, j + 3]
-                    for e in range(d):
-                        ag[g, e] = (((ag[g, e] + p0 * v4[0, e]) + p1 * v4[1, e])
-                                    + p2 * v4[2, e]) + p3 * v4[3, e]
-            for j in range(n4, n):  # the last n % 4 keys, one at a time
-                for e in range(d):
-                    v4[0, e] = to_f32(vf[j0 + j, e], fmt)
-                for g in range(n_grp):
-                    pj = p[g, j]
-                    for e in range(d):
-                        ag[g, e] += pj * v4[0, e]
+        else:  # each (g, e) sums keys in order: blocks of DIMS dims in registers, then the rest
+            e_blocked = (d // DIMS) * DIMS if vf.strides[1] == vf.itemsize else 0
+            if e_blocked:
+                _value_blocks(vf, j0, n, p, ag, e_blocked, fmt)
+            if e_blocked < d:
+                n4 = n - n % 4
+                for j in range(0, n4, 4):  # four keys per pass over ag
+                    for r in range(4):
+                        for e in range(e_blocked, d):
+                            v4[r, e] = to_f32(vf[j0 + j + r, e], fmt)
+                    for g in range(n_grp):
+                        p0, p1, p2, p3 = p[g, j], p[g, j + 1], p[g, j + 2], p[g, j + 3]
+                        for e in range(e_blocked, d):
+                            ag[g, e] = (((ag[g, e] + p0 * v4[0, e]) + p1 * v4[1, e])
+                                        + p2 * v4[2, e]) + p3 * v4[3, e]
+                for j in range(n4, n):  # the last n % 4 keys, one at a time
+                    for e in range(e_blocked, d):
+                        v4[0, e] = to_f32(vf[j0 + j, e], fmt)
+                    for g in range(n_grp):
+                        pj = p[g, j]
+                        for e in range(e_blocked, d):
+                            ag[g, e] += pj * v4[0, e]
         for g in range(n_grp):
             for e in range(dv):
                 acc[t, h, part, g, e] += np.float64(ag[g, e])
-        # a mapped page is verified by its last reader, right after folding it
-        if src[h, i] == SRC_MAP and _last_reader(t, qpos, window, start + n_valid - 1):
-            if page_checksum(kf, vf) != expect[h, i]:
-                bad[h, i] = 1
+        if check and halves_sum(k_sum, v_rows_sum(vf, kf.shape[0])) != expect[h, i]:
+            bad[h, i] = 1
 
 
 def _walk_items(n_tok, n_head, n_pg, lo, split):

@@ -17,11 +17,12 @@ word: words permuted inside one row (two key positions of one K^T dimension exch
 words of one V row). It is no defence against a forger with write access to this process's
 files (who could equally rewrite its memory).
 
-Cost: about two vectorized 32-bit adds per word and a multiply per eight rows (`_block_sum`);
-the fold checks a page right after folding it (benchmarks/bench_check.py measures
-what that costs the fold). Linear in the elements, so the page file keeps each page's
-checksum current as rows are appended or cleared (`row_delta`) without reading it back.
-This module holds no page file or fold logic.
+Cost: about two vectorized 32-bit adds per word and a multiply per eight rows (`_block_sum`),
+or one add per word and a multiply per row read one row after another (`k_rows_sum`). The fold
+sums a page's K^T half row by row as the page streams in from memory, before its scores, and
+its V half after the values (benchmarks/bench_check.py measures what that costs the fold).
+Linear in the elements, so the page file keeps each page's checksum current as rows are
+appended or cleared (`row_delta`) without reading it back. This module holds no page file or fold logic.
 """
 
 from __future__ import annotations
@@ -95,6 +96,37 @@ def _block_sum(block, row0):
 def page_checksum(k_page, v_page):
     """k_page (D, P), v_page (P, D) in storage dtype -> uint32 checksum (module docstring)."""
     return _u32(_block_sum(k_page, 0) + _block_sum(v_page, k_page.shape[0]))
+
+
+@njit(cache=True, nogil=True)
+def k_rows_sum(k_page):
+    """The K^T half of `page_checksum` (rows 0..D-1), read one row after another: one
+    sequential stream over the page, which the hardware prefetchers follow from memory (the
+    fold computes it while the page streams in, fold.py). Even-length 16-bit or float32 rows
+    (a session's pages); other rows go through `_block_sum`."""
+    rows, n = k_page.shape
+    if not (k_page.itemsize == 4 or n % 2 == 0):
+        return _block_sum(k_page, 0)
+    words = k_page.view(np.uint32)
+    s = np.uint32(0)
+    for r in range(rows):
+        row_sum = np.uint32(0)
+        for w in range(words.shape[1]):  # a plain add per word: vectorizes
+            row_sum = _u32(row_sum + words[r, w])
+        s = _u32(s + _u32(np.uint64(_weight(r)) * np.uint64(row_sum)))
+    return s
+
+
+@njit(cache=True, nogil=True)
+def v_rows_sum(v_page, d):
+    """The V half of `page_checksum` (rows d..d+P-1)."""
+    return _block_sum(v_page, d)
+
+
+@njit(cache=True, inline="always")
+def halves_sum(k_sum, v_sum):
+    """page_checksum from its halves: k_rows_sum + v_rows_sum mod 2**32."""
+    return _u32(k_sum + v_sum)
 
 
 def _as_bits(a):
