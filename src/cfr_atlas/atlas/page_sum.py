@@ -22,7 +22,8 @@ or one add per word and a multiply per row read one row after another (`k_rows_s
 sums a page's K^T half row by row as the page streams in from memory, before its scores, and
 its V half after the values (benchmarks/bench_check.py measures what that costs the fold).
 Linear in the elements, so the page file keeps each page's checksum current as rows are
-appended or cleared (`row_delta`) without reading it back. This module holds no page file or fold logic.
+appended or cleared (`row_delta`) without reading it back. This module holds no page file
+or fold logic.
 """
 
 from __future__ import annotations
