@@ -8,38 +8,19 @@ import numpy as np
 import pytest
 from numba import njit
 
+from cfr_atlas.atlas import fold
 from cfr_atlas.atlas import fold_blocks as fb
 from cfr_atlas.atlas.storage import StorageDtype, _f16_soft, format_of, round_rows, widen
 
-
-@njit(cache=True)
-def _scores(k, j0, n_blocks, q, s, fmt):
-    n_grp = q.shape[0]
-    for g0 in range(0, n_grp, fb.GROUPS):
-        left = n_grp - g0
-        if left >= 4:
-            fb.score_block(k, j0, n_blocks, q, g0, s, 4, fmt)
-        elif left == 3:
-            fb.score_block(k, j0, n_blocks, q, g0, s, 3, fmt)
-        elif left == 2:
-            fb.score_block(k, j0, n_blocks, q, g0, s, 2, fmt)
-        else:
-            fb.score_block(k, j0, n_blocks, q, g0, s, 1, fmt)
+# fold's own dispatchers (up to GROUPS score groups, VALUE_GROUPS value groups a call); the
+# test kernels are compiled without numba's disk cache, which would keep a stale entry after an
+# edit of fold_blocks.py (the cache renews an entry only when its own file changes)
+_scores = njit(fold._score_blocks.py_func)
 
 
-@njit(cache=True)
+@njit
 def _values(v, j0, n, p, acc, e0, fmt):
-    n_grp = acc.shape[0]
-    for g0 in range(0, n_grp, fb.GROUPS):
-        left = n_grp - g0
-        if left >= 4:
-            fb.values_block(v, j0, n, p, g0, acc, e0, 4, fmt)
-        elif left == 3:
-            fb.values_block(v, j0, n, p, g0, acc, e0, 3, fmt)
-        elif left == 2:
-            fb.values_block(v, j0, n, p, g0, acc, e0, 2, fmt)
-        else:
-            fb.values_block(v, j0, n, p, g0, acc, e0, 1, fmt)
+    fold._value_blocks(v[:, e0:], j0, n, p, acc[:, e0:], fb.DIMS, fmt)
 
 
 def _stored(rng, shape, dtype):
@@ -91,13 +72,13 @@ def test_value_blocks_are_the_plain_loop(dtype, groups):
         assert np.array_equal(acc.view(np.uint32), want.view(np.uint32)), (j0, n, e0)
 
 
-@njit(cache=True)
+@njit
 def _soft_all(bits, out):
     for i in range(0, bits.size, fb.KEYS):
         fb.widen_soft16(bits, i, out)
 
 
-@njit(cache=True)
+@njit
 def _scalar_all(bits, out):
     for i in range(bits.size):
         out[i] = _f16_soft(bits[i])
@@ -111,3 +92,62 @@ def test_the_vector_float16_rule_without_f16c_is_the_scalar_one_on_every_bit_pat
     assert np.array_equal(vec.view(np.uint32), scalar.view(np.uint32))
     finite = (bits & 0x7C00) != 0x7C00
     assert np.array_equal(vec[finite], bits[finite].view(np.float16).astype(np.float32))
+
+
+def _slabs(rng, dtype, n_slots, D, P, strided):
+    """K^T (n_slots, D, P) and V (n_slots, P, D) pages; strided: views with a column stride of
+    two elements, which the fold folds with its plain loops (the blocks need unit strides)."""
+    k = _stored(rng, (n_slots, D, P), dtype)
+    v = _stored(rng, (n_slots, P, D), dtype)
+    if not strided:
+        return k, v
+    k2 = np.zeros((n_slots, D, 2 * P), dtype=k.dtype)
+    v2 = np.zeros((n_slots, P, 2 * D), dtype=v.dtype)
+    k2[:, :, ::2], v2[:, :, ::2] = k, v
+    return k2[:, :, ::2], v2[:, :, ::2]
+
+
+@pytest.mark.parametrize("dtype", list(StorageDtype), ids=lambda d: d.value)
+@pytest.mark.parametrize("D, P, G, window", [(64, 40, 3, 0), (80, 37, 7, 50), (32, 16, 4, 0),
+                                             (96, 33, 5, 20)])
+def test_the_fold_with_blocks_is_the_fold_without_them_bit_for_bit(dtype, D, P, G, window):
+    """The same pages folded through the blocks (unit-stride slabs) and through the plain loops
+    (the same values in strided views): every state entry and flag equal. Mapped pages stay
+    unit-stride in both, so the checked path (K^T's checksum before the blocked scores) runs
+    beside hot and scratch pages folded both ways."""
+    rng = np.random.default_rng(D + P + G)
+    T, H, S, context, split = 3, 2, 6, 150, 2
+    q = rng.standard_normal((T, H, G, D)).astype(np.float32)
+    pages = {}
+    for strided in (False, True):
+        r = np.random.default_rng(7)  # the same values both ways
+        pages[strided] = (_slabs(r, dtype, S, D, P, strided), _slabs(r, dtype, S, D, P, strided))
+    r = np.random.default_rng(8)
+    k_map, v_map = _slabs(r, dtype, S, D, P, False)
+    from cfr_atlas.atlas.page_sum import page_checksum_numpy
+    n_pages = -(-context // P)
+    lo = max(0, (context - T - window + 1) // P) if window else 0
+    n_pg = n_pages - lo
+    src = rng.integers(0, 3, (H, n_pg)).astype(np.int64)
+    slot = rng.integers(0, S, (H, n_pg)).astype(np.int64)
+    expect = np.array([[page_checksum_numpy(k_map[sl], v_map[sl]) for sl in row] for row in slot],
+                      dtype=np.uint32)
+    expect[1, -1] ^= 1  # one mapped page whose checksum does not match (if it is mapped)
+    results = []
+    for strided in (False, True):
+        (k_hot, v_hot), (k_scr, v_scr) = pages[strided]
+        bad = np.zeros((H, n_pg), dtype=np.uint8)
+        state = (np.full((T, H, -(-n_pages // split), G), -np.inf),
+                 np.zeros((T, H, -(-n_pages // split), G)),
+                 np.zeros((T, H, -(-n_pages // split), G, D)))
+        fold.fold_pages(q, np.arange(context - T, context, dtype=np.int64),
+                        (k_hot, v_hot, k_scr, v_scr, k_map, v_map),
+                        (src, slot, expect, bad), (lo, context, split, 0, H * n_pg),
+                        (np.float32(D ** -0.5), np.float32(0.0),
+                         np.zeros((H, G), dtype=np.float32), window, format_of(dtype)), state)
+        results.append((state, bad))
+    (s1, bad1), (s2, bad2) = results
+    for a, b in zip(s1, s2, strict=True):
+        assert np.array_equal(a.view(np.uint64), b.view(np.uint64))
+    assert np.array_equal(bad1, bad2)
+    assert bad1[1, -1] == (src[1, -1] == fold.SRC_MAP)

@@ -106,16 +106,17 @@ def test_fold_and_merge_match_numpy_twins(dtype, case):
 
 
 @pytest.mark.parametrize("dtype", list(StorageDtype), ids=lambda d: d.value)
-@pytest.mark.parametrize("case", ["plain", "window", "one page"])
-def test_a_damaged_mapped_page_is_flagged_by_kernel_and_twin(dtype, case):
+@pytest.mark.parametrize("case", ["plain", "window", "one page", "blocked"])
+@pytest.mark.parametrize("half", [4, 5], ids=["K^T byte", "V byte"])
+def test_a_damaged_mapped_page_is_flagged_by_kernel_and_twin(dtype, case, half):
     rng = np.random.default_rng(11)
     args, shape, _, _ = _problem(rng, dtype, **CASES[case])
     src, slot, expect, bad = args[3]
     mapped = np.argwhere(src == fold.SRC_MAP)
     assert len(mapped), "the problem has no mapped page"
     h, i = mapped[-1]
-    k_map = args[2][4]
-    k_map[slot[h, i]].reshape(-1).view(np.uint8)[1] ^= 0x10  # one byte of its K^T block
+    block = args[2][half][slot[h, i]]  # k_map or v_map's page
+    block.reshape(-1).view(np.uint8)[block.nbytes // 2 + 1] ^= 0x10  # one byte of it
     damaged = (slot == slot[h, i]) & (src == fold.SRC_MAP)  # every walk page on that slot
     fold.fold_pages(*args, _state(*shape))
     assert np.array_equal(bad.astype(bool), damaged)

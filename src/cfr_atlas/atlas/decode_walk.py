@@ -19,7 +19,8 @@ batched walk, atlas/batch_walk.py). The fold is `fold._fold_walk` (`fold.fold_wa
 work items are the general path's (`_fold_item`, `_merge_item`), so the result is bitwise that
 of the general path. No policy, accounting or telemetry here. numba's cache: `append_fold`
 compiles the fold's kernels into this module's cache entry, which numba renews only when this
-file changes; after editing fold.py (or page_sum.py, storage.py) in a checkout, delete the
+file changes; after editing fold.py (or fold_blocks.py, page_sum.py, storage.py) in a
+checkout, delete the
 `__pycache__/*.nbi` files (a release rewrites every file, so installs are not affected).
 """
 

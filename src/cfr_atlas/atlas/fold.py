@@ -29,10 +29,11 @@ Pages come from three slabs of one layout (K^T (S, D, P), V (S, P, D), storage d
 cache (SRC_HOT), regeneration scratch (SRC_SCRATCH), and a regenerator's memory-mapped pages
 (SRC_MAP, e.g. the page file in the OS page cache, read in place). A mapped page is verified in
 the same kernel: the work item that reads it last computes its checksum (page_sum.py), K^T's
-half row by row before the scores (that pass streams the page in from memory, which the score
-blocks need anyway: see below) and V's half after the values, and flags a mismatch in `bad`;
-the caller raises before the result is used (benchmarks/bench_check.py measures the cost).
-16-bit elements are read directly, never widened into a copy of the page.
+half row by row (even page sizes; odd 16-bit ones eight rows at a time) before the scores (that
+pass streams the page in from memory, which the score blocks need anyway: see below) and V's
+half after the values, and flags a mismatch in `bad`; the caller raises before the result is
+used (benchmarks/bench_check.py measures the cost). 16-bit elements are read directly, never
+widened into a copy of the page.
 
 The two sums of a page (scores over dims, values over keys) run register-blocked
 (fold_blocks.py): the same operations in the same order as plain loops, so the same bits, with
@@ -43,13 +44,16 @@ in row order (`touch_rows`, or the checksum's K^T half on a checked page).
 Each numba kernel has a NumPy twin (`fold_pages_numpy`, `merge_partitions_numpy`) with the same
 signature, used by the tests. This module holds no cache or policy logic.
 
-Compile time: `_fold_item` and `_merge_item` are compiled functions of their own that the serial,
-parallel and all-hot kernels call, not inlined into each at numba's IR level (which compiled
-the work item anew in every caller: a storage format's first use cost ~40-80 s of compiling,
-now ~15-25 s). Each kernel is called with one set of argument types per storage format: a
-strided array, prange's unsigned index or a literal in a tuple would each be another type,
-hence another compile.
-"""
+Compile time: `_fold_item` and `_merge_item` are compiled functions of their own that the
+serial, parallel and all-hot kernels call, not inlined into each at numba's IR level (which
+compiled the work item anew in every caller: a storage format's first use cost ~40-80 s of
+compiling, then ~15-25 s; the register-blocked sums of fold_blocks.py, compiled for 1-4 groups
+each, add about 2 s: the serial kernel's first float16 call 11.4 s against 9.2 s, session 39).
+numba's disk cache renews an entry only when its own file changes, and these kernels compile
+fold_blocks.py's and page_sum.py's code into theirs: after editing those in a checkout, delete
+the `__pycache__/*.nbi` files. Each kernel is called with one set of argument types per storage
+format: a strided array, prange's unsigned index or a literal in a tuple would each be another
+type, hence another compile."""
 
 from __future__ import annotations
 
@@ -59,7 +63,15 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from cfr_atlas.atlas.fold_blocks import DIMS, GROUPS, KEYS, score_block, touch_rows, values_block
+from cfr_atlas.atlas.fold_blocks import (
+    DIMS,
+    GROUPS,
+    KEYS,
+    VALUE_GROUPS,
+    score_block,
+    touch_rows,
+    values_block,
+)
 from cfr_atlas.atlas.page_sum import halves_sum, k_rows_sum, page_checksum_numpy, v_rows_sum
 from cfr_atlas.atlas.storage import to_f32
 
@@ -146,11 +158,11 @@ def _score_blocks(kf, j0, n_blocks, qth, s, fmt):
 @njit(cache=True, inline="always")
 def _value_blocks(vf, j0, n, p, ag, e_end, fmt):
     """ag[g, e] += sum_j p[g, j] V(j0 + j, e) for dims e < e_end (a multiple of DIMS), every
-    group (fold_blocks.py)."""
+    group, VALUE_GROUPS a call (fold_blocks.py)."""
     n_grp = ag.shape[0]
     for e0 in range(0, e_end, DIMS):
-        for g0 in range(0, n_grp, GROUPS):
-            left = n_grp - g0
+        for g0 in range(0, n_grp, VALUE_GROUPS):
+            left = min(n_grp - g0, VALUE_GROUPS)
             if left >= 4:
                 values_block(vf, j0, n, p, g0, ag, e0, 4, fmt)
             elif left == 3:
@@ -210,7 +222,9 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state):
         kf, vf = _page_slabs(slabs, src[h, i], slot[h, i])
         n = j1 - j0
         # score_j = sum_e q_e K_je, e in order: blocks of KEYS keys in registers, then the rest
-        n_blocked = (n // KEYS) * KEYS if kf.strides[1] == kf.itemsize else 0
+        # (K^T rows, V width and q's dims are one d: models/session.py's slabs)
+        blocks = kf.strides[1] == kf.itemsize and kf.shape[0] == d
+        n_blocked = (n // KEYS) * KEYS if blocks else 0
         # a mapped page is verified by its last reader: K^T's half of the checksum in row
         # order before the scores (it streams the page in, as the touch would), V's after
         check = src[h, i] == SRC_MAP and _last_reader(t, qpos, window, start + n_valid - 1)
@@ -265,7 +279,8 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state):
                         a_ge += p[g, j] * to_f32(ke[j0 + j], fmt)
                     ag[g, e] = a_ge
         else:  # each (g, e) sums keys in order: blocks of DIMS dims in registers, then the rest
-            e_blocked = (d // DIMS) * DIMS if vf.strides[1] == vf.itemsize else 0
+            v_blocks = vf.strides[1] == vf.itemsize and vf.shape[1] == d
+            e_blocked = (d // DIMS) * DIMS if v_blocks else 0
             if e_blocked:
                 _value_blocks(vf, j0, n, p, ag, e_blocked, fmt)
             if e_blocked < d:

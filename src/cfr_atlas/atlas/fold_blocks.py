@@ -33,12 +33,17 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cfr_atlas.atlas.storage import HAS_F16C
+from cfr_atlas.atlas.storage import _TARGET_FEATURES, HAS_F16C
 
 KEYS = 16  # keys per score block (one 512-bit or two 256-bit vectors of float32)
 LANES = 8  # dims per vector in the values pass (256 bits of float32)
 DIMS = 32  # dims per values block: groups x DIMS / LANES running sums in registers
 GROUPS = 4  # at most this many query groups per call
+# AVX-512 has 32 vector registers: four groups' 16 running sums of the values pass fit beside
+# their weights; with AVX2's 16 a values call takes two groups (8 sums), so none spill. The
+# split changes no bit (each group's sums are its own).
+WIDE_REGISTERS = "+avx512f" in (_TARGET_FEATURES or "").split(",")
+VALUE_GROUPS = GROUPS if WIDE_REGISTERS else 2
 
 F32, I8, I16, I32 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32)
 
@@ -240,7 +245,6 @@ def widen_soft16(typingctx, src, i, out):
     return types.void(src, i, out), codegen
 
 
-
 LINE = 64  # bytes of a cache line
 
 
@@ -262,12 +266,18 @@ def touch_rows(typingctx, a, col0, n_cols):
         width = builder.mul(context.cast(builder, args[2], sig.args[2], types.intp), col_s)
         n_lines = builder.udiv(builder.add(width, _const(intp, LINE - 1)), _const(intp, LINE))
         seen = cgutils.alloca_once_value(builder, ir.Constant(I8, 0))
+        rows = builder.select(builder.icmp_signed(">", width, _const(intp, 0)), rows,
+                              _const(intp, 0))  # no columns: nothing to read
         with cgutils.for_range(builder, rows, intp=intp) as r:
             row = builder.add(builder.mul(r.index, row_s), c0)
             with cgutils.for_range(builder, n_lines, intp=intp) as line:
                 off = builder.add(row, builder.mul(line.index, _const(intp, LINE)))
                 builder.store(builder.or_(builder.load(seen), builder.load(
                     builder.gep(base, [off]))), seen)
+            # the row's last byte: its line, when col0 does not start a line, is one more
+            last = builder.add(row, builder.sub(width, _const(intp, 1)))
+            builder.store(builder.or_(builder.load(seen), builder.load(
+                builder.gep(base, [last]))), seen)
         builder.asm(ir.FunctionType(ir.VoidType(), [I8]), "", "r", [builder.load(seen)],
                     side_effect=True)
         return context.get_dummy_value()

@@ -18,7 +18,8 @@ words of one V row). It is no defence against a forger with write access to this
 files (who could equally rewrite its memory).
 
 Cost: about two vectorized 32-bit adds per word and a multiply per eight rows (`_block_sum`),
-or one add per word and a multiply per row read one row after another (`k_rows_sum`). The fold
+or one add per word and a multiply per row read one row after another (`k_rows_sum`, rows of
+an even length or float32; others as `_block_sum`). The fold
 sums a page's K^T half row by row as the page streams in from memory, before its scores, and
 its V half after the values (benchmarks/bench_check.py measures what that costs the fold).
 Linear in the elements, so the page file keeps each page's checksum current as rows are
