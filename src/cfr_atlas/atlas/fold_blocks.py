@@ -49,10 +49,11 @@ F32, I8, I16, I32 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32
 
 
 def _array(context, builder, ary_t, ary):
-    """(data as i8*, [strides in bytes]) of a numba array value."""
+    """(data as i8*, [strides in bytes], [shape]) of a numba array value."""
     a = context.make_array(ary_t)(context, builder, ary)
     strides = cgutils.unpack_tuple(builder, a.strides, ary_t.ndim)
-    return builder.bitcast(a.data, I8.as_pointer()), strides
+    shape = cgutils.unpack_tuple(builder, a.shape, ary_t.ndim)
+    return builder.bitcast(a.data, I8.as_pointer()), strides, shape
 
 
 def _at(builder, base, offsets, ty):
@@ -134,15 +135,13 @@ def score_block(typingctx, k, j0, n_blocks, q, g0, s, groups, fmt):
     def codegen(context, builder, sig, args):
         k_v, j0_v, nb_v, q_v, g0_v, s_v = args[:6]
         fmt_t = sig.args[-1]
-        kp, (k_row, k_col) = _array(context, builder, sig.args[0], k_v)
-        qp, (q_row, q_col) = _array(context, builder, sig.args[3], q_v)
-        sp, (s_row, _) = _array(context, builder, sig.args[5], s_v)
+        kp, (k_row, k_col), (d, _) = _array(context, builder, sig.args[0], k_v)
+        qp, (q_row, q_col), _ = _array(context, builder, sig.args[3], q_v)
+        sp, (s_row, _), _ = _array(context, builder, sig.args[5], s_v)
         intp = k_row.type
         j0_v, nb_v, g0_v = (context.cast(builder, v, t, types.intp)
                             for v, t in ((j0_v, sig.args[1]), (nb_v, sig.args[2]),
                                          (g0_v, sig.args[4])))
-        d = cgutils.unpack_tuple(builder, context.make_array(sig.args[0])(
-            context, builder, k_v).shape, 2)[0]
         vf = ir.VectorType(F32, KEYS)
         accs = [cgutils.alloca_once(builder, vf) for _ in range(n_groups)]
         rows = [builder.mul(builder.add(g0_v, _const(intp, g)), q_row) for g in range(n_groups)]
@@ -185,9 +184,9 @@ def values_block(typingctx, v, j0, n, p, g0, acc, e0, groups, fmt):
     def codegen(context, builder, sig, args):
         v_v, j0_v, n_v, p_v, g0_v, a_v, e0_v = args[:7]
         fmt_t = sig.args[-1]
-        vp, (v_row, v_col) = _array(context, builder, sig.args[0], v_v)
-        pp, (p_row, p_col) = _array(context, builder, sig.args[3], p_v)
-        ap, (a_row, _) = _array(context, builder, sig.args[5], a_v)
+        vp, (v_row, v_col), _ = _array(context, builder, sig.args[0], v_v)
+        pp, (p_row, p_col), _ = _array(context, builder, sig.args[3], p_v)
+        ap, (a_row, _), _ = _array(context, builder, sig.args[5], a_v)
         intp = v_row.type
         j0_v, n_v, g0_v, e0_v = (context.cast(builder, x, t, types.intp)
                                  for x, t in ((j0_v, sig.args[1]), (n_v, sig.args[2]),
@@ -232,8 +231,8 @@ def widen_soft16(typingctx, src, i, out):
     """out[i:i + KEYS] = float16 bits src[i:i + KEYS] widened by the no-F16C rule (`_f16_soft`):
     for the tests, which hold it to the scalar rule on every bit pattern on any machine."""
     def codegen(context, builder, sig, args):
-        sp, _ = _array(context, builder, sig.args[0], args[0])
-        op, _ = _array(context, builder, sig.args[2], args[2])
+        sp, _, _ = _array(context, builder, sig.args[0], args[0])
+        op, _, _ = _array(context, builder, sig.args[2], args[2])
         idx = context.cast(builder, args[1], sig.args[1], types.intp)
         raw = builder.load(_at(builder, sp, [builder.mul(idx, _const(idx.type, 2))],
                                ir.VectorType(I16, KEYS)), align=2)
@@ -258,10 +257,8 @@ def touch_rows(typingctx, a, col0, n_cols):
     us instead of 5.5 (one Zen 4 thread, 64 x 256 float16; prefetch instructions instead of
     loads: 4.5 us)."""
     def codegen(context, builder, sig, args):
-        base, (row_s, col_s) = _array(context, builder, sig.args[0], args[0])
+        base, (row_s, col_s), (rows, _) = _array(context, builder, sig.args[0], args[0])
         intp = row_s.type
-        rows = cgutils.unpack_tuple(builder, context.make_array(sig.args[0])(
-            context, builder, args[0]).shape, 2)[0]
         c0 = builder.mul(context.cast(builder, args[1], sig.args[1], types.intp), col_s)
         width = builder.mul(context.cast(builder, args[2], sig.args[2], types.intp), col_s)
         n_lines = builder.udiv(builder.add(width, _const(intp, LINE - 1)), _const(intp, LINE))

@@ -49,6 +49,19 @@ def _weight(r):
 
 
 @njit(cache=True, inline="always")
+def _rows_sum(words, row0, lo, hi):
+    """sum over rows r in lo..hi-1 of `words` (uint32 rows) of weight(row0 + r) times the
+    row's word sum, one row after another, mod 2**32."""
+    s = np.uint32(0)
+    for r in range(lo, hi):
+        row_sum = np.uint32(0)
+        for w in range(words.shape[1]):  # a plain add per word: vectorizes
+            row_sum = _u32(row_sum + words[r, w])
+        s = _u32(s + _u32(np.uint64(_weight(row0 + r)) * np.uint64(row_sum)))
+    return s
+
+
+@njit(cache=True, inline="always")
 def _block_sum(block, row0):
     """sum over rows r of `block` (rows, n), float32 or uint16 bits, of weight(row0 + r) times
     the sum of the row's words, mod 2**32."""
@@ -79,11 +92,7 @@ def _block_sum(block, row0):
                                   + _u32(_u32(t5 + t6) + x7[w])))
             s = _u32(s + _u32(np.uint64(_weight(row0 + r)) * np.uint64(a))
                      + _u32(np.uint64(2 * _GOLDEN) * np.uint64(b)))
-        for r in range(top, rows):
-            row_sum = np.uint32(0)
-            for w in range(words.shape[1]):  # a plain add per word: vectorizes
-                row_sum = _u32(row_sum + words[r, w])
-            s = _u32(s + _u32(np.uint64(_weight(row0 + r)) * np.uint64(row_sum)))
+        s = _u32(s + _rows_sum(words, row0, top, rows))
     else:  # odd-length 16-bit rows, element by element
         bits = block.view(np.uint16)
         for r in range(rows):
@@ -109,14 +118,7 @@ def k_rows_sum(k_page):
     rows, n = k_page.shape
     if not (k_page.itemsize == 4 or n % 2 == 0):
         return _block_sum(k_page, 0)
-    words = k_page.view(np.uint32)
-    s = np.uint32(0)
-    for r in range(rows):
-        row_sum = np.uint32(0)
-        for w in range(words.shape[1]):  # a plain add per word: vectorizes
-            row_sum = _u32(row_sum + words[r, w])
-        s = _u32(s + _u32(np.uint64(_weight(r)) * np.uint64(row_sum)))
-    return s
+    return _rows_sum(k_page.view(np.uint32), 0, 0, rows)
 
 
 @njit(cache=True, nogil=True)
