@@ -48,7 +48,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cfr_atlas.engine import load_model  # noqa: E402
 from cfr_atlas.generate import prefill  # noqa: E402
 from cfr_atlas.testing.tiny_moe import write_tiny_moe  # noqa: E402
-from page_cache import drop_file_cache, resident_fraction, sequential_read  # noqa: E402
+from page_cache import (  # noqa: E402
+    disk_read_bytes,
+    drop_file_cache,
+    resident_fraction,
+    scattered_read,
+    sequential_read,
+)
 
 TEXT = ("The capital of France is Paris, and the capital of Italy is Rome. Once upon a time a "
         "small model routed every token to a few of its experts, and the experts answered. ")
@@ -85,6 +91,11 @@ def _args(argv):
                         "alternating the order, so every ratio compares the same minutes")
     p.add_argument("--ab-budgets", default="50%",
                    help="budgets the warm A/B compares with all resident (default 50%%)")
+    p.add_argument("--cold-budgets", default="min",
+                   help="budgets of the cold decode table (default min: one layer's top-k, "
+                        "where a token's time is its reads; empty skips it): each decoded token "
+                        "after the model file is dropped from the page cache, paired with a "
+                        "sequential read and a scattered read of the same bytes")
     p.add_argument("--load-path", action="store_true",
                    help="only the expert-load table (codec vs one-pass repack, cold and warm)")
     p.add_argument("--quick", action="store_true", help="a tiny model, a few tokens (tests)")
@@ -159,6 +170,80 @@ def _run(model, ids, n_decode: int) -> dict:
     return {"prefill_tok_s": len(ids) / (t1 - t0), "decode_tok_s": n_decode / (t2 - t1),
             "decode_bytes_read_per_token": (t.bytes_read - read0) / n_decode,
             "digest": np.stack(rows).tobytes()}
+
+
+def _cold_tokens(model, path: Path, ids, a, spec: str, base: bytes) -> dict:
+    """Cold decode, token by token, at budget `spec` (prefetcher off, as by default here).
+    The prompt is prefilled with the whole file in the page cache; then before each of
+    --decode-tokens decoded tokens the file is dropped from the page cache (and from our
+    mapping), as when the kernel reclaims a running model's pages. Over each token the disk's
+    own count of bytes read is taken (read amplification: read-ahead beyond the expert
+    ranges). Each token is followed by two reads of the same bytes, each from a dropped cache:
+    a plain sequential read of as many bytes of the file (what "the disk's sequential
+    bandwidth" is here), and the token's own expert ranges, every range asked of the kernel at
+    once and nothing computed (what this disk gives scattered reads of those sizes). The
+    token's read rate is the store's bytes read over the token's wall time, its compute
+    included. Medians over the tokens of each rate and of the two per-token ratios; the
+    logits must equal the all-resident run's."""
+    name, budget = _budget(spec, model)
+    store = model.net.set_experts(budget, a.policy)
+    store.use_prefetch(False)
+    keys, write = [], store.write
+    store.write = lambda key, slot: keys.append(key) or write(key, slot)
+    t = store.telemetry
+    s = model.session(context_limit=len(ids) + a.decode_tokens)
+    per = []
+    sequential_read(path, drop=False)  # a warm start: the prompt runs on a cached file
+    try:
+        rows = [prefill(model.net, s, np.asarray(ids, dtype=np.int64))[0]]
+        for _ in range(a.decode_tokens):
+            keys.clear()
+            read0 = t.bytes_read
+            _drop_cache(model, path)
+            tok = np.array([int(np.argmax(rows[-1]))], dtype=np.int64)
+            disk0, t0 = disk_read_bytes(path), time.perf_counter()
+            rows.append(model.net.forward_chunk(s, tok, all_logits=False)[0])
+            seconds, disk1 = time.perf_counter() - t0, disk_read_bytes(path)
+            got = t.bytes_read - read0
+            _drop_cache(model, path)  # our mapping's pages too, or they stay cached
+            seq = sequential_read(path, max(got, 1 << 20))
+            _drop_cache(model, path)
+            ranges = [m.byte_range(e) for lay, e in keys for m in store.source.layers[lay]]
+            scat = scattered_read(path, ranges)
+            per.append({"bytes": got, "seconds": seconds, "read": got / seconds / 1e9,
+                        "disk": None if disk0 is None else disk1 - disk0,
+                        "seq": seq["gb_per_s"], "scattered": scat["gb_per_s"]})
+    finally:
+        s.close()
+        store.write = write
+    med = {k: float(np.median([p[k] for p in per])) for k in ("read", "seq", "scattered")}
+    vs_seq = [p["read"] / p["seq"] for p in per]
+    vs_scat = [p["read"] / p["scattered"] for p in per]
+    disk = [p["disk"] for p in per if p["disk"] is not None]
+    return {"budget": name, "tokens": len(per), "read_mb": float(np.median([p["bytes"] for p
+                                                                            in per])) / 1e6,
+            "disk_mb": float(np.median(disk)) / 1e6 if disk else None,
+            "token_ms": float(np.median([p["seconds"] for p in per])) * 1e3, **med,
+            "vs_seq": float(np.median(vs_seq)), "vs_seq_range": (min(vs_seq), max(vs_seq)),
+            "vs_scattered": float(np.median(vs_scat)),
+            "vs_scattered_range": (min(vs_scat), max(vs_scat)),
+            "loadavg": os.getloadavg()[0], "exact": np.stack(rows).tobytes() == base}
+
+
+def _cold_table(rows) -> str:
+    out = ["| budget | tokens | read/token MB | disk read/token MB | token ms | read GB/s | "
+           "sequential GB/s | scattered GB/s | read / sequential (range) | "
+           "read / scattered (range) | load | exact |", "|---" * 12 + "|"]
+    for r in rows:
+        disk = "-" if r["disk_mb"] is None else f"{r['disk_mb']:.1f}"
+        out.append(f"| {r['budget']} | {r['tokens']} | {r['read_mb']:.1f} | {disk} | "
+                   f"{r['token_ms']:.1f}"
+                   f" | {r['read']:.2f} | {r['seq']:.2f} | {r['scattered']:.2f} | "
+                   f"{r['vs_seq']:.2f} ({r['vs_seq_range'][0]:.2f}-{r['vs_seq_range'][1]:.2f})"
+                   f" | {r['vs_scattered']:.2f} ({r['vs_scattered_range'][0]:.2f}-"
+                   f"{r['vs_scattered_range'][1]:.2f}) | {r['loadavg']:.1f} | "
+                   f"{'yes' if r['exact'] else 'NO'} |")
+    return "\n".join(out)
 
 
 def _budget(spec: str, model) -> tuple[str, object]:
@@ -375,6 +460,8 @@ def main(argv=None) -> int:
                 for prefetch in (False, True):  # interleaved A/B, back to back
                     rows.append(_row(model, path, ids, a, name, budget, cache, prefetch, base,
                                      profile))
+        cold = [_cold_tokens(model, path, ids, a, spec, base)
+                for spec in a.cold_budgets.split(",") if spec]
         loads = _load_path(model, path, a)
         del model
         ab = _warm_ab(a, path, ids, base) if a.ab_rounds else []
@@ -383,6 +470,11 @@ def main(argv=None) -> int:
            "runs": f"{first['gb_per_s'] * 1e3:.0f} and {last['gb_per_s'] * 1e3:.0f} MB/s at load "
                    f"{first['loadavg']:.1f} / {last['loadavg']:.1f}"}
     print(_table(rows, seq, skew))
+    if cold:
+        print("\nCold decode, token by token (the file dropped from the page cache before each "
+              "token; each token followed by a sequential read of as many bytes and a "
+              "scattered read of its own expert ranges; medians over the tokens):\n")
+        print(_cold_table(cold))
     print("\nExpert loads alone (one step of 8 random experts per layer, through the store), "
           "interleaved with sequential reads:\n")
     print(_load_table(loads))
@@ -394,7 +486,7 @@ def main(argv=None) -> int:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     if a.plot:
         _plot(rows, a.plot)
-    return 0 if all(r["exact"] for r in rows + ab) else 1
+    return 0 if all(r["exact"] for r in rows + ab + cold) else 1
 
 
 if __name__ == "__main__":

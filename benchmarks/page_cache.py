@@ -54,6 +54,18 @@ def resident_fraction(path) -> float | None:
     return float((vec & 1).mean()) if ok else None
 
 
+def disk_read_bytes(path) -> int | None:
+    """Bytes read so far from the block device holding `path` (its /sys stat: sectors read x
+    512), or None where that cannot be had. The difference over a span of time is what the
+    disk actually read then, read-ahead and every other reader of the device included."""
+    st = os.stat(path)
+    try:
+        with open(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat") as f:
+            return int(f.read().split()[2]) * 512
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def drop_file_cache(path) -> None:
     """Flush `path`'s dirty pages and ask the kernel to drop its cached pages."""
     fd = os.open(path, os.O_RDONLY)
@@ -64,18 +76,43 @@ def drop_file_cache(path) -> None:
         os.close(fd)
 
 
-def sequential_read(path) -> dict:
-    """Evict `path` from the page cache, then read it front to back in 16 MiB reads."""
-    drop_file_cache(path)
+def sequential_read(path, length: int | None = None, drop: bool = True) -> dict:
+    """Evict `path` from the page cache (unless `drop` is False: then the read fills it), then
+    read it front to back in 16 MiB reads (its first `length` bytes, default all)."""
+    if drop:
+        drop_file_cache(path)
     resident = resident_fraction(path)
+    want = os.path.getsize(path) if length is None else length
     buf, n = bytearray(READ_CHUNK), 0
     fd = os.open(path, os.O_RDONLY)
     try:
         t0 = time.perf_counter()
-        while k := os.readv(fd, [buf]):
+        while n < want and (k := os.preadv(fd, [memoryview(buf)[:min(READ_CHUNK, want - n)]],
+                                           n)):
             n += k
         seconds = time.perf_counter() - t0
     finally:
         os.close(fd)
     return {"bytes": n, "seconds": seconds, "gb_per_s": n / seconds / 1e9,
             "resident_before": resident}
+
+
+def scattered_read(path, ranges) -> dict:
+    """Evict `path` from the page cache, then read the (offset, length) `ranges`: every range
+    asked of the kernel at once (posix_fadvise WILLNEED), then each read in offset order. What
+    this disk gives reads of these sizes and places with nothing else running."""
+    drop_file_cache(path)
+    ranges = sorted(ranges)
+    buf = bytearray(max((n for _, n in ranges), default=1))
+    total = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t0 = time.perf_counter()
+        for off, n in ranges:
+            os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
+        for off, n in ranges:
+            total += os.preadv(fd, [memoryview(buf)[:n]], off)
+        seconds = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    return {"bytes": total, "seconds": seconds, "gb_per_s": total / seconds / 1e9}

@@ -1,5 +1,6 @@
 """benchmarks/bench_moe.py stays runnable: --quick writes a tiny skewed MoE file, runs every
-budget warm and cold with the prefetcher off and on, and the warm A/B of 50% against all
+budget warm and cold with the prefetcher off and on, the cold decode token by token at the
+smallest budget, and the warm A/B of 50% against all
 resident; prints the tables and exits 0 only if every row is bitwise exact."""
 
 from __future__ import annotations
@@ -22,5 +23,7 @@ def test_quick_run_prints_table_and_every_row_is_exact(load_benchmark, tmp_path,
     full = rows[0]["pool_bytes"]
     assert all(r["pool_bytes"] <= full // 2 for r in rows[4:])
     assert rows[-1]["decode_read_per_token"] > 0  # the smallest pool reads while decoding
+    cold = out[out.index("Cold decode, token by token"):out.index("Expert loads alone")]
+    assert "| min (2 slots) | 4 |" in cold and "| NO |" not in cold  # exact, token by token
     ab = out[out.index("interleaved A/B"):]
     assert "| 100% |" in ab and "| 50% |" in ab and "| NO |" not in ab

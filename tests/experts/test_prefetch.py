@@ -158,33 +158,53 @@ def test_advice_skips_an_expert_whose_bytes_are_cached(model, monkeypatch):
     calls = []
     monkeypatch.setattr(source_mod.os, "posix_fadvise", lambda fd, off, n, how: calls.append(
         (off, n, how)))
-    src._warm.clear()
     m = src.layers[1][0]
-    span = m.data.shape[0] * m.data.strides[0]
     page = mmap.PAGESIZE
-    n_pages = (m.address(0) % page + span + page - 1) // page
-    monkeypatch.setattr(source_mod, "resident_pages", lambda a, n: np.ones(n_pages, bool))
+    looked = []
+
+    def pages_of(cached_but):  # a page map of the asked range: every page cached but one
+        def look(address, length):
+            looked.append((address, length))
+            first = address - address % page
+            n = -(-(address + length - first) // page)
+            out = np.ones(n, bool)
+            if cached_but is not None and first <= cached_but < first + n * page:
+                out[(cached_but - first) // page] = False
+            return out
+        return look
+
+    monkeypatch.setattr(source_mod, "resident_pages", pages_of(None))
     src.advise(1, [3])
     assert calls == []
-    looks = []
-    monkeypatch.setattr(source_mod, "resident_pages",
-                        lambda a, n: looks.append(a) or np.zeros(n_pages, bool))
-    for _ in range(source_mod.WARM_ASKS):  # wholly cached tensors are trusted for a while
-        src.advise(1, [3])
-    assert calls == [] and looks == []
-    src.advise(1, [3])  # then looked at again
-    assert len(looks) == 3
-    assert calls == [(*m.byte_range(3), source_mod.os.POSIX_FADV_WILLNEED)
-                     for m in src.layers[1]]
-    calls.clear()
-    pages = np.ones(n_pages, bool)  # one page of expert 3's range not cached: asked for
-    pages[(m.address(3) + m.data[0].nbytes - 1) // page - m.address(0) // page] = 0
-    monkeypatch.setattr(source_mod, "resident_pages", lambda a, n: pages)
-    src._warm.clear()
+    assert looked == [(mm.address(3), mm.data[0].nbytes) for mm in src.layers[1]]  # its own
+    last = m.address(3) + m.data[0].nbytes - 1  # one page of expert 3's gate range dropped
+    monkeypatch.setattr(source_mod, "resident_pages", pages_of(last))
     src.advise(1, [2, 3])
-    assert calls == [(*mm.byte_range(3), source_mod.os.POSIX_FADV_WILLNEED)
-                     for mm in src.layers[1]]
-    assert src.layers[1][0].byte_range(3)[1] == m.data[0].nbytes
+    assert calls == [(*m.byte_range(3), source_mod.os.POSIX_FADV_WILLNEED)]
+    assert m.byte_range(3)[1] == m.data[0].nbytes
+
+
+def test_a_tensor_found_cached_is_looked_at_again_when_the_kernel_drops_it(model, monkeypatch):
+    """The case a tensor-wide trust got wrong: a layer found wholly cached, then its pages
+    dropped (reclaim under a running model). The step's loads are still asked for (each
+    expert's own pages are looked at every time), and finding a dropped page ends every
+    tensor's trust, so `cached` looks again and the next layers are read ahead."""
+    from cfr_atlas.experts import source as source_mod
+
+    src = model.net.experts.source
+    monkeypatch.setattr(source_mod, "resident_pages", lambda a, n: np.ones(
+        -(-(a % mmap.PAGESIZE + n) // mmap.PAGESIZE), bool))
+    src._warm.clear()
+    assert src.cached(0) and src.cached(1)  # looked at: trusted for the next asks
+    calls = []
+    monkeypatch.setattr(source_mod.os, "posix_fadvise", lambda fd, off, n, how: calls.append(
+        (off, n)))
+    monkeypatch.setattr(source_mod, "resident_pages", lambda a, n: np.zeros(
+        -(-(a % mmap.PAGESIZE + n) // mmap.PAGESIZE), bool))  # the kernel dropped them all
+    assert src.cached(0)  # trusted, unlooked
+    src.advise(1, [0, 3])
+    assert calls == [mm.byte_range(e) for mm in src.layers[1] for e in (0, 3)]
+    assert not src.cached(0)  # the trust ended with the dropped pages
 
 
 def test_the_page_map_covers_each_expert_s_whole_range():

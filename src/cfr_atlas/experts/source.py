@@ -9,7 +9,6 @@ This module reads arrays it is handed; it does not open files or know tensor nam
 
 from __future__ import annotations
 
-import mmap
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -86,50 +85,49 @@ class ExpertSource:
     def advise(self, layer: int, experts) -> None:
         """Ask the kernel to read the ranges of `layer`'s expert ids `experts` into the page
         cache ahead of use (posix_fadvise WILLNEED: the reads run in the kernel, overlapping
-        our compute, with no thread of ours and no GIL). A range whose every page is cached
-        is skipped (WILLNEED on cached pages still walks them, ~20 us an expert); see
-        `_look`. A no-op without a file path or offsets."""
+        our compute, with no thread of ours and no GIL). Each expert's own pages are looked at
+        every time (one mincore over its range, a few us): a range whose every page is cached
+        is skipped, and one the kernel has dropped since an earlier look is asked for again.
+        (A tensor-wide look trusted for later asks let an expert dropped meanwhile be faulted
+        in unadvised, each fault reading 8 MiB around it: after the kernel dropped a running
+        model's pages, a decode token read 617 MB from disk for 78 MB of experts,
+        docs/PERFORMANCE.md.) A no-op without a file path or offsets."""
         experts = list(experts)
         if not experts or self.path is None or not hasattr(os, "posix_fadvise"):
             return
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
-        for i, m in enumerate(self.layers[layer]):
+        for m in self.layers[layer]:
             if m.offset < 0:
                 continue
-            warm, pages = self._look(layer, i)
-            if warm:
-                continue
-            base, n = m.address(0), m.data[0].nbytes
-            first = base - base % mmap.PAGESIZE  # the address of pages[0]'s page
+            n = m.data[0].nbytes
             for e in experts:
-                lo = (m.address(e) - first) // mmap.PAGESIZE
-                hi = (m.address(e) + n - 1 - first) // mmap.PAGESIZE + 1
-                if pages is not None and pages[lo:hi].all():
+                pages = resident_pages(m.address(e), n)
+                if pages is not None and pages.all():
                     continue
                 os.posix_fadvise(self._fd, *m.byte_range(e), os.POSIX_FADV_WILLNEED)
+                self._warm.clear()  # the kernel drops pages: no tensor is trusted unlooked
 
     def cached(self, layer: int) -> bool:
-        """Whether every expert byte of `layer` is in the OS page cache, as `_look` sees it
-        (so nothing of it is worth reading ahead)."""
+        """Whether every expert byte of `layer` is in the OS page cache (so nothing of it is
+        worth reading ahead). One mincore over each whole tensor (~20 us for 13 MB); a tensor
+        found wholly cached is trusted to stay so for its next WARM_ASKS asks, unlooked, until
+        `advise` finds a dropped page of any tensor (then every tensor is looked at again).
+        Only whether to predict depends on it: `advise` looks at each expert it is asked
+        for."""
         return self.path is not None and all(
-            self._look(layer, i)[0] for i, m in enumerate(self.layers[layer]) if m.offset >= 0)
+            self._look(layer, i) for i, m in enumerate(self.layers[layer]) if m.offset >= 0)
 
-    def _look(self, layer: int, i: int) -> tuple[bool, np.ndarray | None]:
-        """(wholly cached?, the page map or None) of matrix i's tensor of `layer`. One mincore
-        over the whole tensor answers for all its experts (~20 us for 13 MB); a tensor found
-        wholly cached is trusted to stay so for its next WARM_ASKS looks, unlooked. If the
-        kernel drops its pages meanwhile, loads fault them in without advice: slower, never
-        different."""
+    def _look(self, layer: int, i: int) -> bool:
         if self._warm.get((layer, i), 0) > 0:
             self._warm[layer, i] -= 1
-            return True, None
+            return True
         m = self.layers[layer][i]
         pages = resident_pages(m.address(0), m.data.shape[0] * m.data.strides[0])
         if pages is not None and pages.all():
             self._warm[layer, i] = WARM_ASKS
-            return True, None
-        return False, pages
+            return True
+        return False
 
     def close(self) -> None:
         if self._fd is not None:
