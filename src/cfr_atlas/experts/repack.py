@@ -11,8 +11,9 @@ arrays in place. Two layouts, one per matmul arithmetic (R = TILE_ROWS):
     a[i, b * R + r]   = f16 scale d of block b of that row, as float32 bits
   int8 (the IntTiles of q4_0.py / q8_0.py, int8.py's block tiles)
     q[i, b * R * U + block_byte(r, j, U)] = byte j of the quants of row i * R + r, block b,
-                                as stored (U = 16 packed nibbles for Q4_0, 32 int8 for
-                                Q8_0; rows interleaved in 4-byte chunks, int8.py)
+                                as stored (U = 16 packed nibbles for Q4_0), or with its sign
+                                bit flipped (U = 32 int8 for Q8_0; int8.flip_sign); rows
+                                interleaved in 4-byte chunks, int8.py
     d[i, b * R + r]           = f16 scale d of block b of that row, its bits as stored
   rows past the matrix (the last tile's padding): 0 in every array
 
@@ -97,6 +98,27 @@ def _copy_bytes(typingctx, dst, dst_at, src, src_at, n):
         d = _byte_ptr(context, builder, sig.args[0], args[0], args[1])
         s = _byte_ptr(context, builder, sig.args[2], args[2], args[3])
         cgutils.raw_memcpy(builder, d, s, args[4], 1)
+        return context.get_dummy_value()
+
+    return types.void(dst, dst_at, src, src_at, n), codegen
+
+
+@intrinsic
+def _copy_flipped(typingctx, dst, dst_at, src, src_at, n):
+    """n bytes src[src_at:] -> dst[dst_at:], each with its sign bit flipped (int8 quants as the
+    int8 block tiles keep them: int8.flip_sign); n a literal int. One vector load, xor and
+    store."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    width = n.literal_value
+
+    def codegen(context, builder, sig, args):
+        vec = ir.VectorType(ir.IntType(8), width)
+        d = _byte_ptr(context, builder, sig.args[0], args[0], args[1])
+        s = _byte_ptr(context, builder, sig.args[2], args[2], args[3])
+        v = builder.load(builder.bitcast(s, vec.as_pointer()), align=1)
+        v = builder.xor(v, ir.Constant(vec, [0x80] * width))
+        builder.store(v, builder.bitcast(d, vec.as_pointer()), align=1)
         return context.get_dummy_value()
 
     return types.void(dst, dst_at, src, src_at, n), codegen
@@ -219,8 +241,10 @@ def _make_fill(R: int, nibbles: bool):
 
 def _make_copy(R: int, unit: int):
     """The int8-layout kernel for tiles of R rows and `unit` quant bytes a block (16: Q4_0's
-    packed nibbles, 32: Q8_0's int8), both closure constants."""
+    packed nibbles, copied as stored; 32: Q8_0's int8, each byte's sign bit flipped as the
+    block tiles keep int8 quants), both closure constants."""
     block = SCALE_BYTES + unit
+    flip = unit == QK
 
     @njit(nogil=True, cache=True, parallel=True)
     def copy_rows(src, rows, r0, nb, q, d):
@@ -236,7 +260,12 @@ def _make_copy(R: int, unit: int):
                 d[at] = np.uint16(src[s]) | (np.uint16(src[s + 1]) << np.uint16(8))
                 base = (i * nb + b) * R * unit
                 for j in range(0, unit, 4):  # the row's 4-byte chunks (int8.block_byte)
-                    _copy_bytes(q, base + block_byte(r, j, unit), src, s + SCALE_BYTES + j, 4)
+                    if flip:
+                        _copy_flipped(q, base + block_byte(r, j, unit), src,
+                                      s + SCALE_BYTES + j, 4)
+                    else:
+                        _copy_bytes(q, base + block_byte(r, j, unit), src, s + SCALE_BYTES + j,
+                                    4)
 
     return copy_rows
 

@@ -23,34 +23,41 @@ rows' bytes in 4-byte chunks, chunk after chunk:
     byte j of row r, block b:  tile[b * TILE_ROWS * BYTES + block_byte(r, j, BYTES)]
     block_byte(r, j, BYTES) = (r // 8) * 8 * BYTES + ((j // 4) * 8 + r % 8) * 4 + j % 4
 
-BYTES (`UNIT[bits]`) = 32 for int8 weights (bits = 8), 16 for 4-bit weights kept packed as in
-GGUF (bits = 4: low nibbles q[0..15], high q[16..31]), 20 for 5-bit weights (bits = 5: the
-nibbles of q & 15 as for 4 bits, then 4 bytes of high bits, `pack_five`). So one 32-byte vector
-is the same 4 weights of 8 rows, and a 4-byte group of activations broadcast across it lines up
-with each row's 4 weights (llama.cpp's repacked Q4_0x8 layout is built on the same idea). A
-5-bit group's fifth vector holds, in row r's byte i, the high bits of the weights its chunk c's
-byte i carries: bit 2c that of q[4c + i] (low nibble), bit 2c + 1 that of q[16 + 4c + i]; in
-the kernel a shift and a mask put it beside the nibble. 5 bits a weight instead of 8.
+BYTES (`UNIT[bits]`) = 32 for int8 weights (bits = 8, each stored with its sign bit flipped:
+the byte u = w ^ 0x80, which read unsigned is w + 128; `flip_sign`), 16 for 4-bit weights
+kept packed as in GGUF (bits = 4: low nibbles q[0..15], high q[16..31]), 20 for 5-bit weights
+(bits = 5: the nibbles of q & 15 as for 4 bits, then 4 bytes of high bits, `pack_five`). So
+one 32-byte vector is the same 4 weights of 8 rows, and a 4-byte group of activations broadcast
+across it lines up with each row's 4 weights (llama.cpp's repacked Q4_0x8 layout is built on
+the same idea). A 5-bit group's fifth vector holds, in row r's byte i, the high bits of the
+weights its chunk c's byte i carries: bit 2c that of q[4c + i] (low nibble), bit 2c + 1 that
+of q[16 + 4c + i]; in the kernel a shift and a mask put it beside the nibble. 5 bits a weight
+instead of 8.
 
 Block scales (and Q4_1's minimums) sit in tiles of their own (tiles.py), one per (row, block):
 the float16 bits GGUF stores (uint16) where the format's scales are float16 values (Q8_0,
 Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL), float32 where they are products (the K-quants' d * sc). The
 block term widens float16 exactly (vcvtph2ps), so either gives the same float32 operands; with
-float16 scales a Q4_0 / Q4_1 / Q8_0 / Q5_0 matrix streams exactly its GGUF bytes.
+float16 scales a Q4_0 / Q4_1 / Q8_0 / Q5_0 matrix streams exactly as many bytes as GGUF stores
+(Q8_0's quants with their sign bits flipped).
 
 The integer dot of one block for 8 weight rows is an LLVM intrinsic. With AVX-512 VNNI (and
 VL) or AVX-VNNI, per 4-weight chunk one vpdpbusd: each int32 lane (one row) adds its 4 unsigned
-weight bytes times the 4 broadcast activations (int8 weights: |w| and x with w's sign, as
-below), in two accumulators. On AVX2, per 4-weight
+weight bytes times the 4 broadcast activations, in two accumulators. int8 weights go in as
+stored, as the unsigned u = w + 128: the dot is then isum + 128 xsum, and the block term takes
+128 xsum off again in int32 (the FLIP flag of the terms below), exactly. (Before session 40 the
+weights were stored as w and went in as |w| against x with w's sign, one vpsignb more per
+chunk and token: Q8_0 matmuls of 8 to 64 tokens ran 1.2-1.5x slower.) On AVX2, per 4-weight
 chunk: vpmaddubsw (unsigned weights x signed activations -> pairs summed in int16) of the
 chunk vector and the broadcast activations, so every int16 lane already belongs to one row.
 Nibbles: the 8 chunks' int16 vectors are added in int16 (|sum| <= 8 * 2 * 15 * 127 = 30,480,
 no overflow), then one vpmaddwd against ones gives the 8 rows' int32 dots. 5-bit weights: the
 same in two halves of 4 chunks (|sum| <= 4 * 2 * 31 * 127 = 31,496), each widened. int8 weights:
-|w| x (x with w's sign) through vpsignb, each chunk's pairs (|pair| <= 2 * 128 * 127) widened
-by vpmaddwd and added in int32. No horizontal adds. Elsewhere portable IR (sext, mul, shuffles,
-add) that LLVM lowers for the target. The integer dots are exact, so the layout and the
-instruction choice cannot change a bit of the result.
+the sign bit flipped back (one vpxor a chunk, shared by the tokens), then |w| x (x with w's
+sign) through vpsignb (u x x in pairs could overflow int16), each chunk's pairs (|pair| <=
+2 * 128 * 127) widened by vpmaddwd and added in int32. No horizontal adds. Elsewhere portable
+IR (sext, mul, shuffles, add) that LLVM lowers for the target. The integer dots are exact, so
+the layout and the instruction choice cannot change a bit of the result.
 
 The tile kernel (`tile_kernel`) is here too, one for the formats, which pick their weight
 bytes (int8, packed nibbles or 5 bits) and block term (SCALE, OFFSET8, OFFSET16, MIN);
@@ -372,17 +379,25 @@ def _sum(builder, vectors):
     return functools.reduce(builder.add, vectors)
 
 
+SIGN = np.uint8(0x80)
+
+
+def flip_sign(a: np.ndarray) -> np.ndarray:
+    """int8 weights <-> the bytes the block tiles store for them (either way: u = w ^ 0x80, as
+    uint8; read unsigned, u = w + 128). A new uint8 array."""
+    return a.view(np.uint8) ^ SIGN
+
+
 def psign(builder, a, b):
     """vpsignb: a with b's sign per byte (0 where b is 0)."""
     return _x86(builder, "llvm.x86.avx2.psign.b", V8, a, b)
 
 
-def _dot_vnni(builder, pairs, bits):
+def _dot_vnni(builder, pairs):
     """vpdpbusd: each int32 lane (one row) += its 4 unsigned weight bytes x the 4 signed
-    activations, one instruction a chunk; int8 weights through |w| and x with w's sign as on
-    AVX2. Two accumulators, added at the end (exact in int32: the order is free)."""
-    if bits == 8:
-        pairs = [(psign(builder, w, w), psign(builder, xb, w)) for w, xb in pairs]
+    activations, one instruction a chunk (int8 weights as stored, u = w + 128: the caller's
+    term takes the 128 xsum off). Two accumulators, added at the end (exact in int32: the
+    order is free)."""
     accs = [_splat(V32, 0), _splat(V32, 0)]
     for k, (u, s) in enumerate(pairs):
         accs[k % 2] = _x86(builder, "llvm.x86.avx512.vpdpbusd.256", V32, accs[k % 2],
@@ -392,13 +407,16 @@ def _dot_vnni(builder, pairs, bits):
 
 def _dot_chunks(builder, chunks, xbs, bits, isa):
     """Chunk vectors (each with its broadcast activations) -> <8 x i32> dots of the 8 rows;
-    bits 4 and 5: unsigned weights, lows then highs; 8: int8. isa: PORTABLE, AVX2_DOT or
-    VNNI_DOT."""
+    bits 4 and 5: unsigned weights, lows then highs; 8: int8 weights stored sign-flipped, whose
+    dot is isum on PORTABLE and AVX2_DOT and isum + 128 xsum on VNNI_DOT (`dot_offset`). isa:
+    PORTABLE, AVX2_DOT or VNNI_DOT."""
     pairs = list(zip(chunks, xbs, strict=True))
+    if bits == 8 and isa != VNNI_DOT:  # the stored bytes back to the int8 weights
+        pairs = [(builder.xor(w, _splat(V8, 0x80)), xb) for w, xb in pairs]
     if isa == PORTABLE:
         return _sum(builder, [_chunk_generic(builder, w, xb, bits != 8) for w, xb in pairs])
     if isa == VNNI_DOT:
-        return _dot_vnni(builder, pairs, bits)
+        return _dot_vnni(builder, pairs)
     if bits == 4:  # 8 chunks of 0..15 weights, summed in int16 without overflow
         return _widen_avx2(builder, _sum(builder, [_madd_avx2(builder, w, xb)
                                                    for w, xb in pairs]))
@@ -509,6 +527,15 @@ OFFSET8 = 1  # Q4_0: (d_k * dx) * (isum_r - 8 xsum_b)   (weights stored 0..15, v
 MIN = 2  # Q4_1:    (d_k * dx) * isum_r + m_k * (dx * xsum_b)   (llama.cpp's q8_1 s = d sum q)
 OFFSET16 = 3  # Q5_0: (d_k * dx) * (isum_r - 16 xsum_b)  (weights stored 0..31, value q - 16)
 _OFFSETS = {OFFSET8: 8, OFFSET16: 16}
+# A flag on any term: the dots came from vpdpbusd on int8 weights as stored (u = w + 128), so
+# isum_r - 128 xsum_b (exact in int32: |isum| <= 32 * 255 * 127) is the dot the term reads
+FLIP = 8
+
+
+def dot_offset(bits: int, isa: int) -> int:
+    """What the dots of `bits`-bit weights carry beyond sum_j w_j x_j, in units of the block's
+    xsum: 128 for int8 weights on VNNI_DOT (read unsigned as stored), else 0."""
+    return 128 if bits == 8 and isa == VNNI_DOT else 0
 
 
 F32 = ir.FloatType()
@@ -540,6 +567,9 @@ def _term8_codegen(context, builder, sig, args):
     term = sig.args[9].literal_value
     dot = builder.load(_ptr(context, builder, isum_t, isum, io, V32), align=4)
     xs = context.cast(builder, xs, sig.args[6], types.int32)  # |xs| <= 32 * 127: exact
+    if term & FLIP:  # the dots of int8 weights read as stored: isum + 128 xs
+        dot = builder.sub(dot, _splat_value(builder, V32, builder.mul(xs, ir.Constant(I32, 128))))
+        term &= ~FLIP
     if term in _OFFSETS:  # isum - 8 xs or - 16 xs, exact in int32 (|isum| <= 32 * 31 * 127)
         shift_xs = builder.mul(xs, ir.Constant(I32, _OFFSETS[term]))
         dot = builder.sub(dot, _splat_value(builder, V32, shift_xs))
@@ -559,7 +589,7 @@ def term8(typingctx, acc, ao, d, m, k, dx, xs, isum, io, term):
     """acc[ao + r] += block term for 8 rows r: d[k + r], m[k + r] (MIN only; float32, or
     float16 bits as uint16, widened exactly), the activation block's dx (float32) and xs (its
     integer sum), isum[io + r] the rows' int32 dots; term a literal SCALE / OFFSET8 / OFFSET16
-    / MIN."""
+    / MIN, with FLIP or'ed in where the dots carry 128 xs (`dot_offset`)."""
     f32_acc = isinstance(acc, types.Array) and acc.dtype == types.float32 and acc.layout == "C"
     scales = all(isinstance(a, types.Array) and a.dtype in (types.float32, types.uint16)
                  and a.layout == "C" for a in (d, m))
@@ -597,6 +627,7 @@ def tile_kernel(bits: int, term: int, isa: int = ISA):
     R = TILE_ROWS
     bits, isa = int(bits), int(isa)
     unit = UNIT[bits]  # bytes of one row's block
+    term = int(term) | (FLIP if dot_offset(bits, isa) else 0)
 
     @njit(parallel=True, cache=True, nogil=True)
     def kernel(xq, xd, xsum, q, d, m, out):

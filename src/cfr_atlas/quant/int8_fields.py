@@ -62,8 +62,9 @@ _TERMS = {(False, Width(8)): int8.SCALE, (True, Width(8)): int8.MIN,
           (True, Width(4)): int8.MIN, (False, Width(5, 16)): int8.OFFSET16,
           (True, Width(5)): int8.MIN}
 _KERNELS = {key: int8.tile_kernel(key[1].bits, term) for key, term in _TERMS.items()}
-_UNPACK = {8: lambda b: b, 4: int8.unpack_nibbles, 5: int8.unpack_five}
-_PACK = {8: lambda q: q.view(np.uint8), 4: int8.pack_nibbles, 5: int8.pack_five}
+# int8 quants are stored with the sign bit flipped (int8.py: what vpdpbusd reads unsigned)
+_UNPACK = {8: int8.flip_sign, 4: int8.unpack_nibbles, 5: int8.unpack_five}
+_PACK = {8: int8.flip_sign, 4: int8.pack_nibbles, 5: int8.pack_five}
 
 
 def _kept(a: np.ndarray, half: bool) -> np.ndarray:

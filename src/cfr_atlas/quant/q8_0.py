@@ -69,22 +69,23 @@ CODEC = subblock.float_codec(QType.Q8_0, dequantize, repack, QK, subblock.Offset
 
 
 class IntTiles(NamedTuple):
-    q: np.ndarray  # (n_tiles, nb * TILE_ROWS * QK) int8 block tiles (int8.py)
+    q: np.ndarray  # (n_tiles, nb * TILE_ROWS * QK) uint8 block tiles of the int8 quants,
+    #                sign bit flipped (int8.py: u = q ^ 0x80, what vpdpbusd reads unsigned)
     d: np.ndarray  # (n_tiles, nb * TILE_ROWS) float16 block scales, their bits (tiles.py layout)
 
 
 def int_repack(raw: np.ndarray) -> IntTiles:
-    """raw (N, row_bytes) uint8 -> IntTiles: 1 byte per weight plus the block's float16 scale
-    as GGUF stores it (8.5 bits a weight)."""
+    """raw (N, row_bytes) uint8 -> IntTiles: 1 byte per weight (its sign bit flipped) plus the
+    block's float16 scale as GGUF stores it (8.5 bits a weight)."""
     _, q = _fields(raw)
     d = np.ascontiguousarray(raw).view(BLOCK)["d"].view(np.uint16)
-    return IntTiles(int8.to_block_tiles(q, QK), to_tiles(d))
+    return IntTiles(int8.to_block_tiles(int8.flip_sign(q), QK), to_tiles(d))
 
 
 def int_unpack_rows(tiles: IntTiles, ids: np.ndarray | slice,
                     out: np.ndarray | None = None) -> np.ndarray:
     """Rows `ids` of the dequantized matrix: (len(ids), K) float32 == dequantize(raw)[ids]."""
-    q = int8.gather_block_rows(tiles.q, ids, QK)
+    q = int8.flip_sign(int8.gather_block_rows(tiles.q, ids, QK)).view(np.int8)
     d = int8.widen_scales(gather_rows(tiles.d, ids))
     return values(d, q, np.empty(q.shape, dtype=np.float32) if out is None else out)
 
@@ -102,7 +103,8 @@ def int_matmul_numpy(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
     """The NumPy twin of `int_matmul`: the same quantization, exact block dots, the same float32
     operations in the same block order."""
     xq, xd, _ = int8.quantize_numpy(x)
-    dots = int8.block_dots_numpy(int8.gather_block_rows(tiles.q, slice(None), QK), xq)
+    w = int8.flip_sign(int8.gather_block_rows(tiles.q, slice(None), QK)).view(np.int8)
+    dots = int8.block_dots_numpy(w, xq)
     dots = dots.astype(np.float32)  # exact: |isum| <= 32 * 128 * 127 < 2**24
     d = int8.widen_scales(gather_rows(tiles.d, slice(None)))  # (N padded, nb)
     with np.errstate(over="ignore", invalid="ignore"):  # edge scales: inf, as the kernel
