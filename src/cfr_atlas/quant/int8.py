@@ -47,9 +47,10 @@ weight bytes times the 4 broadcast activations, in two accumulators. int8 weight
 stored, as the unsigned u = w + 128: the dot is then isum + 128 xsum, and the block term takes
 128 xsum off again in int32 (the FLIP flag of the terms below), exactly. (Before session 40 the
 weights were stored as w and went in as |w| against x with w's sign, one vpsignb more per
-chunk and token: Q8_0 matmuls of 8 to 64 tokens ran 1.2-1.5x slower.) On AVX2, per 4-weight
-chunk: vpmaddubsw (unsigned weights x signed activations -> pairs summed in int16) of the
-chunk vector and the broadcast activations, so every int16 lane already belongs to one row.
+chunk and token: Q8_0 matmuls of 1 to 64 tokens ran 1.1-1.7x slower, docs/PERFORMANCE.md.)
+On AVX2, per 4-weight chunk: vpmaddubsw (unsigned weights x signed activations -> pairs
+summed in int16) of the chunk vector and the broadcast activations, so every int16 lane
+already belongs to one row.
 Nibbles: the 8 chunks' int16 vectors are added in int16 (|sum| <= 8 * 2 * 15 * 127 = 30,480,
 no overflow), then one vpmaddwd against ones gives the 8 rows' int32 dots. 5-bit weights: the
 same in two halves of 4 chunks (|sum| <= 4 * 2 * 31 * 127 = 31,496), each widened. int8 weights:
