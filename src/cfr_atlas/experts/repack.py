@@ -23,19 +23,22 @@ stored q + 8) and Q8_0 (34-byte block: f16 d | 32 int8), with either arithmetic.
 checks at build time that this pass writes the very bytes the codec's repack gives (the NumPy
 twin is the codec's `repack` / `int_repack`), and refuses to use it otherwise.
 
-Speed. The int8 layout keeps each row's block bytes in 4-byte chunks: a fill is 4 or 8 copies
-of 4 bytes per (row, block) and the scale's two bytes. The float layout is column-major within a
-tile, so a fill transposes: each 16 x 16 byte square (16 rows' quants of one block) is
-loaded into vector registers and transposed by byte unpacks (`_tile_block`), and Q4_0's
-nibbles become q - 8 with vector masks. Bytes move through small intrinsics (vector loads
-and stores, a memcpy of constant length): numba's indexing tests every signed index for a
-negative value, which kept byte loops scalar. A tile cut short by the caller's rows range
-takes a byte-at-a-time path. Both kernels split their tiles (rows) between numba's threads;
-a tile's bytes do not depend on which thread wrote it (tested with 1 and 2 threads).
-Measured on one 1408 x 512 Q4_0 matrix in cache, 2 threads, AMD EPYC: float 0.13 ms (the
-8 x 8 word transpose before it: 0.20 ms; the byte-at-a-time kernel before that: ~0.6 ms on
-one thread), int8 0.07-0.09 ms (measured when a row's block was one 16- or 32-byte copy;
-now 4 or 8 copies of 4 bytes, not re-measured).
+Speed. The int8 layout keeps each row's block bytes in 4-byte chunks interleaved across 8-row
+groups: a whole group's block is 8 row loads, one dword transpose in registers and one store
+(`_group_block`; Q8_0's bytes xor'ed on the way); rows outside whole groups go 4 bytes at a
+time. The float layout is column-major within a tile, so a fill transposes: each 16 x 16 byte
+square (16 rows' quants of one block) is loaded into vector registers and transposed by byte
+unpacks (`_tile_block`), and Q4_0's nibbles become q - 8 with vector masks. Bytes move through
+small intrinsics (vector loads and stores, a memcpy of constant length): numba's indexing tests
+every signed index for a negative value, which kept byte loops scalar. A tile cut short by the
+caller's rows range takes a byte-at-a-time path. Both kernels split their tiles (rows, or
+groups) between numba's threads; a tile's bytes do not depend on which thread wrote it (tested
+with 1 and 2 threads). Measured on one 1408 x 512 matrix in cache, 2 threads, AMD EPYC: float
+Q4_0 0.13 ms (the 8 x 8 word transpose before it: 0.20 ms; the byte-at-a-time kernel before
+that: ~0.6 ms on one thread); int8 Q4_0 30-33 us and Q8_0 33-38 us with the group transpose,
+against 62-81 and 48-52 us copying 4 bytes at a time (session 40, alternating processes). A
+load from memory moves its bytes at the memory's pace either way (~0.2-0.3 ms an expert of
+the bench_moe file).
 
 f16 -> f32 is done on the bits, as NumPy does it (npy_halfbits_to_floatbits: exact, subnormals
 normalized, NaN payloads shifted, not quieted); a test runs all 65,536 halves against NumPy.
@@ -122,6 +125,49 @@ def _copy_flipped(typingctx, dst, dst_at, src, src_at, n):
         return context.get_dummy_value()
 
     return types.void(dst, dst_at, src, src_at, n), codegen
+
+
+@intrinsic
+def _group_block(typingctx, dst, dst_at, src, src_at, row_bytes, unit, flip):
+    """One block of a whole group of GROUP = 8 rows, int8 layout, in vector registers: `unit`
+    quant bytes of each row (row r at src[src_at + r * row_bytes]) -> dst[dst_at:] in the
+    block tiles' chunk order, chunk c of row r at (c * 8 + r) * 4 (int8.block_byte within a
+    group); flip: every byte's sign bit flipped (int8 quants). unit and flip literals. The 8
+    rows' chunks are gathered into one vector and transposed by one shuffle (LLVM emits
+    dword permutes), then stored as 8 * unit contiguous bytes."""
+    if not all(isinstance(t, types.Literal) for t in (unit, flip)):
+        return None
+    n_unit, do_flip = unit.literal_value, bool(flip.literal_value)
+    if n_unit % 4:
+        return None
+    n = n_unit // 4  # chunks of a row's block
+
+    def codegen(context, builder, sig, args):
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        row_t = ir.VectorType(i32, n)
+        src_ary, s0, rb = args[2], args[3], args[4]
+        parts = []
+        for r in range(8):
+            p = _byte_ptr(context, builder, sig.args[2], src_ary,
+                          builder.add(s0, builder.mul(rb, ir.Constant(i64, r))))
+            parts.append(builder.load(builder.bitcast(p, row_t.as_pointer()), align=1))
+        while len(parts) > 1:  # concatenate pairs: 8 rows -> one vector of 8 * n dwords
+            width = parts[0].type.count
+            mask = ir.Constant(ir.VectorType(i32, 2 * width), list(range(2 * width)))
+            parts = [builder.shuffle_vector(parts[k], parts[k + 1], mask)
+                     for k in range(0, len(parts), 2)]
+        whole = parts[0]  # dword r * n + c: chunk c of row r
+        order = [r * n + c for c in range(n) for r in range(8)]  # -> chunk-major
+        out_t = ir.VectorType(i32, 8 * n)
+        out = builder.shuffle_vector(whole, ir.Constant(out_t, None),
+                                     ir.Constant(out_t, order))
+        if do_flip:
+            out = builder.xor(out, ir.Constant(out_t, [0x80808080] * (8 * n)))
+        d = _byte_ptr(context, builder, sig.args[0], args[0], args[1])
+        builder.store(out, builder.bitcast(d, out_t.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.void(dst, dst_at, src, src_at, row_bytes, unit, flip), codegen
 
 
 def _interleave(builder, a, b, high: bool):
@@ -239,6 +285,22 @@ def _make_fill(R: int, nibbles: bool):
     return fill_rows
 
 
+@njit(nogil=True, cache=True)
+def _copy_row(src, g, r0, nb, q, d, R, unit, flip):
+    """Int8 layout, source row g (tile row r0 + g) alone, chunk by chunk (`_make_copy`)."""
+    row_bytes = nb * (SCALE_BYTES + unit)
+    i, r = (r0 + g) // R, (r0 + g) % R
+    for b in range(nb):
+        s, at = g * row_bytes + b * (SCALE_BYTES + unit), i * nb * R + b * R + r
+        d[at] = np.uint16(src[s]) | (np.uint16(src[s + 1]) << np.uint16(8))
+        base = (i * nb + b) * R * unit
+        for j in range(0, unit, 4):  # the row's 4-byte chunks (int8.block_byte)
+            if flip:
+                _copy_flipped(q, base + block_byte(r, j, unit), src, s + SCALE_BYTES + j, 4)
+            else:
+                _copy_bytes(q, base + block_byte(r, j, unit), src, s + SCALE_BYTES + j, 4)
+
+
 def _make_copy(R: int, unit: int):
     """The int8-layout kernel for tiles of R rows and `unit` quant bytes a block (16: Q4_0's
     packed nibbles, copied as stored; 32: Q8_0's int8, each byte's sign bit flipped as the
@@ -250,22 +312,27 @@ def _make_copy(R: int, unit: int):
     def copy_rows(src, rows, r0, nb, q, d):
         """src (rows * row_bytes,) uint8 blocks -> rows r0 .. r0 + rows - 1 of the flat block
         tiles q (n_tiles * nb * R * unit,) uint8 and d (n_tiles * nb * R,) uint16: the
-        block's float16 scale bits as stored. Threads split the rows (each writes only its
-        own)."""
+        block's float16 scale bits as stored. Rows of whole 8-row groups of the tiles go a
+        group and block at a time (`_group_block`), threads splitting the groups; the rows
+        before the first whole group and after the last go one at a time. Each byte is
+        written by one thread, the same whatever the split."""
         row_bytes = nb * block
-        for g in prange(rows):
-            i, r = (r0 + g) // R, (r0 + g) % R
+        lo = min(max(-(-r0 // 8) * 8 - r0, 0), rows)  # source row of the first whole group
+        hi = max(min((r0 + rows) // 8 * 8 - r0, rows), lo)  # and past the last one
+        for gi in prange((hi - lo) // 8):
+            g = lo + gi * 8
+            i, r = (r0 + g) // R, (r0 + g) % R  # r: a multiple of 8
             for b in range(nb):
                 s, at = g * row_bytes + b * block, i * nb * R + b * R + r
-                d[at] = np.uint16(src[s]) | (np.uint16(src[s + 1]) << np.uint16(8))
-                base = (i * nb + b) * R * unit
-                for j in range(0, unit, 4):  # the row's 4-byte chunks (int8.block_byte)
-                    if flip:
-                        _copy_flipped(q, base + block_byte(r, j, unit), src,
-                                      s + SCALE_BYTES + j, 4)
-                    else:
-                        _copy_bytes(q, base + block_byte(r, j, unit), src, s + SCALE_BYTES + j,
-                                    4)
+                for k in range(8):
+                    sk = s + k * row_bytes
+                    d[at + k] = np.uint16(src[sk]) | (np.uint16(src[sk + 1]) << np.uint16(8))
+                _group_block(q, (i * nb + b) * R * unit + r * unit, src, s + SCALE_BYTES,
+                             row_bytes, unit, flip)
+        for g in range(lo):
+            _copy_row(src, g, r0, nb, q, d, R, unit, flip)
+        for g in range(hi, rows):
+            _copy_row(src, g, r0, nb, q, d, R, unit, flip)
 
     return copy_rows
 
