@@ -183,8 +183,8 @@ def _cold_tokens(model, path: Path, ids, a, spec: str, base: bytes) -> dict:
     bandwidth" is here), and the token's own expert ranges, every range asked of the kernel at
     once and nothing computed (what this disk gives scattered reads of those sizes). The
     token's read rate is the store's bytes read over the token's wall time, its compute
-    included. Medians over the tokens of each rate and of the two per-token ratios; the
-    logits must equal the all-resident run's."""
+    included. Medians over the tokens that read something, of each rate and of the two
+    per-token ratios; the logits of every token must equal the all-resident run's."""
     name, budget = _budget(spec, model)
     store = model.net.set_experts(budget, a.policy)
     store.use_prefetch(False)
@@ -206,7 +206,9 @@ def _cold_tokens(model, path: Path, ids, a, spec: str, base: bytes) -> dict:
             seconds, disk1 = time.perf_counter() - t0, disk_read_bytes(path)
             got = t.bytes_read - read0
             _drop_cache(model, path)  # our mapping's pages too, or they stay cached
-            seq = sequential_read(path, max(got, 1 << 20))
+            if not got:  # every expert of the token was resident: nothing read to pair
+                continue
+            seq = sequential_read(path, got)
             _drop_cache(model, path)
             ranges = [m.byte_range(e) for lay, e in keys for m in store.source.layers[lay]]
             scat = scattered_read(path, ranges)
@@ -215,7 +217,10 @@ def _cold_tokens(model, path: Path, ids, a, spec: str, base: bytes) -> dict:
                         "seq": seq["gb_per_s"], "scattered": scat["gb_per_s"]})
     finally:
         s.close()
-        store.write = write
+        del store.write  # the class's method again
+    exact = np.stack(rows).tobytes() == base
+    if not per:
+        return {"budget": name, "tokens": 0, "exact": exact, "loadavg": os.getloadavg()[0]}
     med = {k: float(np.median([p[k] for p in per])) for k in ("read", "seq", "scattered")}
     vs_seq = [p["read"] / p["seq"] for p in per]
     vs_scat = [p["read"] / p["scattered"] for p in per]
@@ -227,7 +232,7 @@ def _cold_tokens(model, path: Path, ids, a, spec: str, base: bytes) -> dict:
             "vs_seq": float(np.median(vs_seq)), "vs_seq_range": (min(vs_seq), max(vs_seq)),
             "vs_scattered": float(np.median(vs_scat)),
             "vs_scattered_range": (min(vs_scat), max(vs_scat)),
-            "loadavg": os.getloadavg()[0], "exact": np.stack(rows).tobytes() == base}
+            "loadavg": os.getloadavg()[0], "exact": exact}
 
 
 def _cold_table(rows) -> str:
@@ -235,6 +240,10 @@ def _cold_table(rows) -> str:
            "sequential GB/s | scattered GB/s | read / sequential (range) | "
            "read / scattered (range) | load | exact |", "|---" * 12 + "|"]
     for r in rows:
+        if not r["tokens"]:
+            out.append(f"| {r['budget']} | 0 (every token's experts resident: nothing read) |"
+                       + " - |" * 9 + f" {r['loadavg']:.1f} | {'yes' if r['exact'] else 'NO'} |")
+            continue
         disk = "-" if r["disk_mb"] is None else f"{r['disk_mb']:.1f}"
         out.append(f"| {r['budget']} | {r['tokens']} | {r['read_mb']:.1f} | {disk} | "
                    f"{r['token_ms']:.1f}"

@@ -27,3 +27,12 @@ def test_quick_run_prints_table_and_every_row_is_exact(load_benchmark, tmp_path,
     assert "| min (2 slots) | 4 |" in cold and "| NO |" not in cold  # exact, token by token
     ab = out[out.index("interleaved A/B"):]
     assert "| 100% |" in ab and "| 50% |" in ab and "| NO |" not in ab
+
+
+def test_a_cold_budget_that_reads_nothing_is_a_row_not_a_crash(load_benchmark, capsys):
+    """All resident, a token reads nothing: the cold table says so instead of dividing 0 by 0."""
+    bench = load_benchmark("bench_moe")
+    assert bench.main(["--quick", "--budgets", "100%", "--ab-rounds", "0",
+                       "--cold-budgets", "100%"]) == 0
+    out = capsys.readouterr().out
+    assert "| 100% | 0 (every token's experts resident: nothing read) |" in out

@@ -74,28 +74,32 @@ def test_one_pass_repack_equals_the_codec_repack(arithmetic, qtype, module, rows
 
 
 @pytest.mark.parametrize("arithmetic", ["float", "int8"])
-def test_one_pass_repack_bytes_do_not_depend_on_the_thread_count(arithmetic):
+@pytest.mark.parametrize("qtype,module", [(QType.Q4_0, q4_0), (QType.Q8_0, q8_0)])
+def test_one_pass_repack_bytes_do_not_depend_on_the_thread_count(arithmetic, qtype, module):
+    """Gate and up stacked, up starting at a row that is no multiple of 8 (the int8 copy's
+    groups then start past partial ones): the same bytes on one thread and on all."""
     import numba
 
-    gate = random_blocks(np.random.default_rng(7), (1, 5 * TILE_ROWS + 9, 128), "Q4_0")[0]
-    repack = q4_0.repack if arithmetic == "float" else q4_0.int_repack
-    fits, one_pass = KERNELS[arithmetic, QType.Q4_0]
+    gate, up = random_blocks(np.random.default_rng(7), (2, 5 * TILE_ROWS + 9, 128), qtype.name)
+    repack = module.repack if arithmetic == "float" else module.int_repack
+    fits, one_pass = KERNELS[arithmetic, qtype]
+    both = np.concatenate([gate, up])
     got = []
     before = numba.get_num_threads()
     try:
         for n in (1, numba.config.NUMBA_NUM_THREADS):
             numba.set_num_threads(n)
-            out = repack(gate)
+            out = repack(both)
             for x in out:
                 x.view(np.uint8)[...] = 0x55
-            one_pass([gate.reshape(-1)], QType.Q4_0, 128, out)
+            one_pass([gate.reshape(-1), up.reshape(-1)], qtype, 128, out)
             got.append(out)
     finally:
         numba.set_num_threads(before)
     assert all(np.array_equal(x.view(np.uint8), y.view(np.uint8))
                for x, y in zip(*got, strict=True))
     assert all(np.array_equal(x.view(np.uint8), y.view(np.uint8))
-               for x, y in zip(got[0], repack(gate), strict=True))
+               for x, y in zip(got[0], repack(both), strict=True))
 
 
 def test_one_pass_repack_refuses_tiles_of_another_shape():

@@ -277,8 +277,8 @@ def test_vnni_is_used_where_the_cpu_has_it():
     assert int8.VNNI == has and (int8.ISA == int8.VNNI_DOT) == has
 
 
-@pytest.mark.parametrize("bits, term", [(8, int8.SCALE), (4, int8.MIN), (5, int8.OFFSET16),
-                                        (5, int8.MIN)])
+@pytest.mark.parametrize("bits, term", [(8, int8.SCALE), (8, int8.MIN), (4, int8.MIN),
+                                        (5, int8.OFFSET16), (5, int8.MIN)])
 def test_portable_dots_equal_the_simd_dots(bits, term):
     """The portable IR (machines without AVX2), the AVX2 intrinsics and vpdpbusd (where the
     machine has VNNI) give the same bits on any weight bytes, including int8 -128 and 127,

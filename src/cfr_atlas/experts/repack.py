@@ -15,7 +15,8 @@ arrays in place. Two layouts, one per matmul arithmetic (R = TILE_ROWS):
                                 bit flipped (U = 32 int8 for Q8_0; int8.flip_sign); rows
                                 interleaved in 4-byte chunks, int8.py
     d[i, b * R + r]           = f16 scale d of block b of that row, its bits as stored
-  rows past the matrix (the last tile's padding): 0 in every array
+  rows past the matrix (the last tile's padding): 0 in every array (a stored int8 quant of 0
+  is a weight of -128 there; padding rows' outputs are never written out)
 
 Covered: Q4_0 (18-byte block: f16 d | 16 bytes of nibbles, low = q[j], high = q[j + 16],
 stored q + 8) and Q8_0 (34-byte block: f16 d | 32 int8), with either arithmetic. Every other
@@ -307,6 +308,8 @@ def _make_copy(R: int, unit: int):
     block tiles keep int8 quants), both closure constants."""
     block = SCALE_BYTES + unit
     flip = unit == QK
+    if R % 8:
+        raise ValueError(f"tiles of {R} rows are not whole 8-row groups")
 
     @njit(nogil=True, cache=True, parallel=True)
     def copy_rows(src, rows, r0, nb, q, d):

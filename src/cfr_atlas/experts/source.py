@@ -119,8 +119,9 @@ class ExpertSource:
             self._look(layer, i) for i, m in enumerate(self.layers[layer]) if m.offset >= 0)
 
     def _look(self, layer: int, i: int) -> bool:
-        if self._warm.get((layer, i), 0) > 0:
-            self._warm[layer, i] -= 1
+        left = self._warm.get((layer, i), 0)  # (advise may clear the table meanwhile)
+        if left > 0:
+            self._warm[layer, i] = left - 1
             return True
         m = self.layers[layer][i]
         pages = resident_pages(m.address(0), m.data.shape[0] * m.data.strides[0])

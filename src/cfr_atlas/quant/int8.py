@@ -245,7 +245,8 @@ def block_byte(r, j, nbytes):
 
 def to_block_tiles(a: np.ndarray, nbytes: int) -> np.ndarray:
     """a (N, nb * nbytes) -> (n_tiles, nb * TILE_ROWS * nbytes), rows zero-padded to whole
-    tiles, in the layout of the module docstring."""
+    tiles, in the layout of the module docstring (padding bytes 0: for sign-flipped int8
+    quants a weight of -128, in rows whose outputs are never written out)."""
     rows, cols = a.shape
     tiles = -(-rows // TILE_ROWS)
     padded = np.zeros((tiles * TILE_ROWS, cols), dtype=a.dtype)
