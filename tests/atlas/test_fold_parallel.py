@@ -18,6 +18,8 @@ import math
 import numba
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cfr_atlas.atlas import fold
 from cfr_atlas.atlas.storage import StorageDtype, format_of, round_rows
@@ -174,3 +176,63 @@ def test_the_compiled_plan_is_the_rules():
     rules = (fold._fold_in_parallel(2, 3, 4, 256), fold._merge_in_parallel((2, 3, 4, 3, 64)))
     saved = fold.PARALLEL_MIN_PAIRS
     assert rules == (2 * 3 * 4 * 256 >= saved, 2 * 3 * 4 * 3 * 64 >= saved)
+
+
+# --- the parallel fold's lanes ---------------------------------------------------------------
+
+
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=60), st.integers(1, 9))
+@settings(max_examples=150, deadline=None)
+def test_balanced_lanes_deal_every_item_once_and_evenly(costs, n_lanes):
+    """Every item in exactly one lane, in increasing index within it, and the largest lane's
+    keys within one item of an even share (the largest-first rule's bound)."""
+    c = np.array(costs, dtype=np.int64)
+    order, bounds = fold.balanced_lanes(c, n_lanes)
+    assert bounds[0] == 0 and bounds[-1] == len(c) and np.all(np.diff(bounds) >= 0)
+    assert sorted(order.tolist()) == list(range(len(c)))
+    loads = []
+    for r in range(n_lanes):
+        lane = order[bounds[r]:bounds[r + 1]]
+        assert np.all(np.diff(lane) > 0)
+        loads.append(int(c[lane].sum()))
+    assert max(loads) <= c.sum() / n_lanes + c.max()
+
+
+def test_balanced_lanes_even_out_a_decode_walk():
+    """The decode walk that prange's contiguous runs split 17 : 10 (three heads, partitions of
+    4, 4 and 1 pages, two threads) is dealt 14 : 13."""
+    order, bounds = fold.balanced_lanes(np.array([4, 4, 1] * 3, dtype=np.int64), 2)
+    loads = sorted(int(np.array([4, 4, 1] * 3)[order[bounds[r]:bounds[r + 1]]].sum())
+                   for r in range(2))
+    assert loads == [13, 14]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_item_keys_count_the_pairs_each_item_folds(case):
+    """`_item_keys` (the cost the lanes are dealt by) summed over a walk's items is the number
+    of (query, key) pairs the causal (and windowed) attention reads, per K/V head."""
+    args, shape, _ = _problem(np.random.default_rng(3), StorageDtype.FLOAT32, **CASES[case])
+    q, qpos, slabs, walk, span, score = args
+    P = slabs[1].shape[1]
+    window = score[3]
+    items = fold._n_items(q, walk, span)
+    got = sum(fold._item_keys(w, q, qpos, walk, span, window, P) for w in range(items))
+    want = 0
+    for pos in qpos:
+        low = pos - window + 1 if window > 0 else 0
+        want += pos + 1 - max(0, low)
+    assert got == want * q.shape[1]
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("case", ["plain", "all"])
+def test_any_lane_count_folds_the_same_bits(all_threads, case, lanes):
+    """The parallel fold with any number of lanes, more or fewer than threads or items, equals
+    the serial fold bitwise."""
+    args, shape, sinks = _problem(np.random.default_rng(11), StorageDtype.FLOAT16,
+                                  **CASES[case])
+    args = _fresh_flags(args)
+    state = _state(*shape)
+    fold._fold_parallel(*args, state, fold._n_items(args[0], args[3], args[4]), lanes)
+    m, l, acc, _, bad = _serial(args, shape, sinks)
+    _assert_bitwise(state + (args[3][3],), (m, l, acc, bad))

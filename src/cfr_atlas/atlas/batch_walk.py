@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import time
 
+import numba
 import numpy as np
 
 from cfr_atlas.atlas import decode_walk, fold
@@ -152,7 +153,7 @@ class HotWalks:
         kernel(layer, slots, tokens, last_uses, ks, vs, rows, starts,
                self.ticks, self.walked, self.counts, k_st, v_st, q, self.splits,
                scales, np.float32(cap), alibi, win, self._fmt, sinks,
-               fold.PARALLEL_MIN_PAIRS, *self._empty, out, ok)
+               fold.PARALLEL_MIN_PAIRS, numba.get_num_threads(), *self._empty, out, ok)
         made = rows[ok]
         if made.size:
             share = (time.perf_counter() - t0) / made.size

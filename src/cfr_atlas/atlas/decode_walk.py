@@ -98,7 +98,7 @@ def look(slot, tokens, k, v, n_heads, start, n_rows, lo, need):
 def append_fold(slot, tokens, last_use, k_hot, v_hot, heads, start, k_st, v_st, lo, tick_w,
                 tick_a, k_scr, v_scr, k_map, v_map, map_slot, map_expect, map_missing, lens, q,
                 qpos, context, split, scale, cap, alibi, win, fmt, sinks, out, items,
-                fold_parallel, merge_parallel, bad):
+                lanes, merge_parallel, bad):
     """The mapped decode walk of one layer in one call (module docstring): pages lo.. of table
     rows `heads` are read from the hot slab where resident, else from the regenerator's slabs
     (k_map, v_map) at map_slot with checksum map_expect (`map_missing` set: it lacks the page);
@@ -138,7 +138,7 @@ def append_fold(slot, tokens, last_use, k_hot, v_hot, heads, start, k_st, v_st, 
         grown += hot[h, n_pg - 1] >= 0
     _fold_walk(q, qpos, (k_hot, v_hot, k_scr, v_scr, k_map, v_map), (src, walk_slot, expect, bad),
                (lo, context, split), (scale, cap, alibi, win, fmt), sinks, out,
-               (items, fold_parallel, merge_parallel))
+               (items, lanes, merge_parallel))
     n_bad = 0
     for h in range(n_head):
         for i in range(n_pg):
@@ -154,7 +154,7 @@ def append_fold(slot, tokens, last_use, k_hot, v_hot, heads, start, k_st, v_st, 
 @njit(cache=True, nogil=True)
 def _hot_walk(r, layer, slots, tokens, last_uses, ks, vs, heads, members, starts, ticks, walked,
               counts, k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks, min_pairs,
-              empty_k, empty_v, out, ok, serial):
+              lanes, empty_k, empty_v, out, ok, serial):
     """Row r of `hot_walks`: `append_fold`'s work for a walk that maps nothing, without its
     mapping tables (serial: the fold's serial kernels, whatever the plan says)."""
     ok[r] = False
@@ -179,7 +179,7 @@ def _hot_walk(r, layer, slots, tokens, last_uses, ks, vs, heads, members, starts
         return
     items, fold_parallel, merge_parallel = plan_sizes(1, n_head, n_grp, n_pg, lo, split,
                                                       page_tokens, out.shape[3], min_pairs)
-    plan = (items, fold_parallel and not serial, merge_parallel and not serial)
+    plan = (items, lanes if fold_parallel and not serial else 0, merge_parallel and not serial)
     walk = (np.zeros((n_head, n_pg), dtype=np.int64), hot,
             np.zeros((n_head, n_pg), dtype=np.uint32), np.zeros((n_head, n_pg), dtype=np.uint8))
     slabs = (k, v, empty_k, empty_v, empty_k, empty_v)  # hot pages only: no scratch, no map
@@ -196,8 +196,8 @@ def _hot_walk(r, layer, slots, tokens, last_uses, ks, vs, heads, members, starts
 
 @njit(cache=True, nogil=True)
 def hot_walks(layer, slots, tokens, last_uses, ks, vs, members, starts, ticks, walked, counts,
-              k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks, min_pairs, empty_k,
-              empty_v, out, ok):
+              k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks, min_pairs, lanes,
+              empty_k, empty_v, out, ok):
     """One layer's all-hot decode walk for several sequences in one call (batch_walk.py).
 
     Row r of k_st, v_st (n, H, D), q (n, H, G, D) and out (n, H, G, Dv) is one token of
@@ -209,7 +209,8 @@ def hot_walks(layer, slots, tokens, last_uses, ks, vs, members, starts, ticks, w
     the tables cover the walk and the row grows each head's resident page in place with
     pages lo.. (the window's first page) then resident and whole, the row is appended at
     ticks[g] + 1, those pages marked at ticks[g] + 2, the walk folded and merged into out[r]
-    with the plan `fold.walk_plan` gives (its thresholds: min_pairs), ticks[g] += 2,
+    with the plan `fold.walk_plan` gives (its thresholds: min_pairs; a parallel fold's lanes:
+    lanes, the caller's thread count), ticks[g] += 2,
     walked[g, layer] += 1, counts[g, :2] += (pages folded, tokens consumed), counts[g, 2:]
     = those of this walk, and ok[r] = True; else nothing is written and ok[r] = False (the
     caller takes the sequence's own path). The fold is `fold._fold_walk`, with the plan of
@@ -218,17 +219,17 @@ def hot_walks(layer, slots, tokens, last_uses, ks, vs, members, starts, ticks, w
     for r in range(members.shape[0]):
         _hot_walk(r, layer, slots, tokens, last_uses, ks, vs, heads, members, starts, ticks,
                   walked, counts, k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks,
-                  min_pairs, empty_k, empty_v, out, ok, False)
+                  min_pairs, lanes, empty_k, empty_v, out, ok, False)
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def hot_walks_parallel(layer, slots, tokens, last_uses, ks, vs, members, starts, ticks, walked,
                        counts, k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks,
-                       min_pairs, empty_k, empty_v, out, ok):
+                       min_pairs, lanes, empty_k, empty_v, out, ok):
     """`hot_walks` with the rows split between threads, each row's fold on its own thread
     (the fold's serial kernels: the same work items, so the same bits)."""
     heads = np.arange(q.shape[1])
     for r in prange(members.shape[0]):
         _hot_walk(np.int64(r), layer, slots, tokens, last_uses, ks, vs, heads, members, starts,
                   ticks, walked, counts, k_st, v_st, q, splits, scales, cap, alibi, win, fmt,
-                  sinks, min_pairs, empty_k, empty_v, out, ok, True)
+                  sinks, min_pairs, lanes, empty_k, empty_v, out, ok, True)

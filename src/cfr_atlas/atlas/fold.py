@@ -61,7 +61,7 @@ import functools
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import get_num_threads, njit, prange
 
 from cfr_atlas.atlas.fold_blocks import (
     DIMS,
@@ -323,10 +323,78 @@ def _fold_serial(q, qpos, slabs, walk, span, score, state, n_items):
         _fold_item(w, q, qpos, slabs, walk, span, score, state)
 
 
+@njit(cache=True, nogil=True)
+def _item_keys(w, q, qpos, walk, span, window, page_tokens):
+    """The keys work item w folds (`_fold_item`'s loop bounds, nothing read): its cost."""
+    src = walk[0]
+    lo, context, split, a, b = span
+    n_tok = q.shape[0]
+    n_pg = src.shape[1]
+    p0 = lo // split
+    n_items_part = (lo + n_pg - 1) // split - p0 + 1
+    t = w % n_tok
+    part = p0 + (w // n_tok) % n_items_part
+    h = w // (n_tok * n_items_part)
+    pos = qpos[t]
+    low = pos - window + 1 if window > 0 else 0
+    keys = 0
+    for gp in range(max(part * split, lo), min((part + 1) * split, lo + n_pg)):
+        f = h * n_pg + gp - lo
+        if f < a or f >= b:
+            continue
+        start = gp * page_tokens
+        if start > pos:
+            break
+        j0 = max(0, low - start)
+        j1 = min(min(page_tokens, context - start), pos - start + 1)
+        keys += max(0, j1 - j0)
+    return keys
+
+
+@njit(cache=True, nogil=True)
+def balanced_lanes(costs, n_lanes):
+    """Work items of the given costs dealt to n_lanes lanes, largest first, each to the lane
+    with the least so far (ties: the lowest lane): (order, bounds), lane r's items being
+    order[bounds[r]:bounds[r + 1]] in increasing index. A prange over lanes then splits the work
+    evenly whatever the costs (a prange over items gives each thread a contiguous run, and the
+    runs of a decode walk's partitions differ: 17 against 10 pages at 2,049 tokens)."""
+    n = costs.shape[0]
+    lane = np.empty(n, dtype=np.int64)
+    load = np.zeros(n_lanes, dtype=np.int64)
+    for w in np.argsort(-costs, kind="mergesort"):
+        best = 0
+        for r in range(1, n_lanes):
+            if load[r] < load[best]:
+                best = r
+        lane[w] = best
+        load[best] += costs[w]
+    bounds = np.zeros(n_lanes + 1, dtype=np.int64)
+    for w in range(n):
+        bounds[lane[w] + 1] += 1
+    for r in range(n_lanes):
+        bounds[r + 1] += bounds[r]
+    fill = bounds[:-1].copy()
+    order = np.empty(n, dtype=np.int64)
+    for w in range(n):
+        order[fill[lane[w]]] = w
+        fill[lane[w]] += 1
+    return order, bounds
+
+
 @njit(cache=True, parallel=True, nogil=True)
-def _fold_parallel(q, qpos, slabs, walk, span, score, state, n_items):
-    for w in prange(n_items):  # prange's index is unsigned: cast, or _fold_item compiles twice
-        _fold_item(np.int64(w), q, qpos, slabs, walk, span, score, state)
+def _fold_parallel(q, qpos, slabs, walk, span, score, state, n_items, lanes):
+    """The work items dealt to `lanes` lanes (the caller's thread count: numba's
+    get_num_threads in a kernel would keep it from the disk cache) by the keys each folds
+    (`balanced_lanes`), one lane per prange iteration: which thread folds an item never
+    changes its bits."""
+    costs = np.empty(n_items, dtype=np.int64)
+    for w in range(n_items):
+        costs[w] = _item_keys(w, q, qpos, walk, span, score[3], slabs[1].shape[1])
+    n_lanes = max(1, min(lanes, n_items))
+    order, bounds = balanced_lanes(costs, n_lanes)
+    for r in prange(n_lanes):  # prange's index is unsigned: cast, or _fold_item compiles twice
+        for i in range(bounds[np.int64(r)], bounds[np.int64(r) + 1]):
+            _fold_item(order[i], q, qpos, slabs, walk, span, score, state)
 
 
 # Below this many (query head x key) pairs a call runs on one thread: waking the pool costs
@@ -359,9 +427,11 @@ def fold_pages(q, qpos, slabs, walk, span, score, state):
     state = (m, l: (T, H, NPART, G) f64, acc: (T, H, NPART, G, Dv) f64), updated in place;
     Dv = D, or with V slabs of width 0 the first Dv rows of each K^T page are its V.
     """
-    parallel = _fold_in_parallel(q.shape[0], q.shape[2], span[4] - span[3], slabs[0].shape[2])
-    kernel = _fold_parallel if parallel else _fold_serial
-    kernel(q, qpos, slabs, walk, span, score, state, _n_items(q, walk, span))
+    n_items = _n_items(q, walk, span)
+    if _fold_in_parallel(q.shape[0], q.shape[2], span[4] - span[3], slabs[0].shape[2]):
+        _fold_parallel(q, qpos, slabs, walk, span, score, state, n_items, get_num_threads())
+    else:
+        _fold_serial(q, qpos, slabs, walk, span, score, state, n_items)
 
 
 @njit(cache=True, nogil=True)
@@ -434,11 +504,13 @@ def fold_walk(q, qpos, slabs, walk, span, score, sinks, out):
 
 
 def walk_plan(q, slot, span, slabs, out) -> tuple:
-    """(walk items, fold in parallel, merge in parallel) by `fold_pages`' and
-    `merge_partitions`' rules."""
+    """(walk items, fold lanes, merge in parallel) by `fold_pages`' and `merge_partitions`'
+    rules: the fold's lanes are the calling thread's numba thread count when it runs in
+    parallel, else 0 (the serial kernel)."""
     n_tok, n_head, n_grp, _ = q.shape
-    return _plan_of(n_tok, n_head, n_grp, slot.shape[1], span[0], span[2], slabs[0].shape[2],
-                    out.shape[3], PARALLEL_MIN_PAIRS)
+    items, parallel, merge = _plan_of(n_tok, n_head, n_grp, slot.shape[1], span[0], span[2],
+                                      slabs[0].shape[2], out.shape[3], PARALLEL_MIN_PAIRS)
+    return items, get_num_threads() if parallel else 0, merge
 
 
 @njit(cache=True, nogil=True)
@@ -462,12 +534,12 @@ _plan_of = functools.lru_cache(maxsize=256)(plan_sizes.py_func)
 @njit(cache=True, nogil=True)
 def _fold_walk_flat(q, qpos, k_hot, v_hot, k_scr, v_scr, k_map, v_map, src, slot, expect, bad,
                     lo, context, split, scale, cap, alibi, win, fmt, sinks, out, items,
-                    fold_parallel, merge_parallel):
+                    lanes, merge_parallel):
     """`_fold_walk` with its tuples spread into plain arguments: numba types a tuple argument
     element by element in Python on every call (~10 us for these), an array or scalar in C."""
     _fold_walk(q, qpos, (k_hot, v_hot, k_scr, v_scr, k_map, v_map), (src, slot, expect, bad),
                (lo, context, split), (scale, cap, alibi, win, fmt), sinks, out,
-               (items, fold_parallel, merge_parallel))
+               (items, lanes, merge_parallel))
 
 
 @njit(cache=True, nogil=True)
@@ -478,15 +550,15 @@ def _fold_walk(q, qpos, slabs, walk, span, score, sinks, out, plan):
     n_tok, n_head, n_grp, _ = q.shape
     n_pg = walk[1].shape[1]
     lo, context, split = span
-    items, fold_parallel, merge_parallel = plan
+    items, lanes, merge_parallel = plan  # lanes: 0 for the serial fold
     n_part = (lo + n_pg + split - 1) // split
     m = np.full((n_tok, n_head, n_part, n_grp), -np.inf, dtype=np.float64)
     l = np.zeros((n_tok, n_head, n_part, n_grp), dtype=np.float64)
     acc = np.zeros((n_tok, n_head, n_part, n_grp, out.shape[3]), dtype=np.float64)
     # np.int64(0), not 0: a literal would make the span another type (another compile)
     full = (lo, context, split, np.int64(0), n_head * n_pg)
-    if fold_parallel:
-        _fold_parallel(q, qpos, slabs, walk, full, score, (m, l, acc), items)
+    if lanes:
+        _fold_parallel(q, qpos, slabs, walk, full, score, (m, l, acc), items, lanes)
     else:
         _fold_serial(q, qpos, slabs, walk, full, score, (m, l, acc), items)
     if merge_parallel:
