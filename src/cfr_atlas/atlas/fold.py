@@ -120,6 +120,30 @@ def _exp_into(x, n_items, out, bits):
 
 
 @njit(cache=True, inline="always")
+def _weight_sums(p, n, lg):
+    """lg[g] = lg[g] + p[g, 0] + p[g, 1] + ... + p[g, n - 1] for every group g: the float32
+    weights widened, summed in float64 in key order, four groups' sums side by side. Each sum
+    is one chain of dependent adds (~3 cycles each); summed a group at a time, as the
+    weights were rounded, the adder waited on each (a 256-key page of three groups, one Zen
+    4 thread: 8.3 us against 9.3 from memory, 5.4 against 5.8 in cache). Every sum's
+    operations and their order are the one-group loop's, so the bits are. A group index past
+    the last repeats the last group (its sum, stored first, is overwritten)."""
+    n_grp = lg.shape[0]
+    for g0 in range(0, n_grp, 4):
+        g1, g2, g3 = min(g0 + 1, n_grp - 1), min(g0 + 2, n_grp - 1), min(g0 + 3, n_grp - 1)
+        a0, a1, a2, a3 = lg[g0], lg[g1], lg[g2], lg[g3]
+        for j in range(n):
+            a0 += np.float64(p[g0, j])
+            a1 += np.float64(p[g1, j])
+            a2 += np.float64(p[g2, j])
+            a3 += np.float64(p[g3, j])
+        lg[g3] = a3
+        lg[g2] = a2
+        lg[g1] = a1
+        lg[g0] = a0
+
+
+@njit(cache=True, inline="always")
 def _page_slabs(slabs, src, s):
     """(K^T page (D, P), V page (P, D)) at slot s of source src."""
     k_hot, v_hot, k_scr, v_scr, k_map, v_map = slabs
@@ -260,16 +284,14 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state):
             for j in range(n):
                 x[j] = np.float64(sg[j]) - m_new
             _exp_into(x, n, p64, bits)
-            lsum = l[t, h, part, g] * corr
-            for j in range(n):
-                pj = np.float32(p64[j])
-                p[g, j] = pj
-                lsum += np.float64(pj)
-            l[t, h, part, g] = lsum
+            for j in range(n):  # each weight rounded to float32 once (no sum here: vectors)
+                p[g, j] = np.float32(p64[j])
+            l[t, h, part, g] = l[t, h, part, g] * corr  # where `_weight_sums` starts
             m[t, h, part, g] = m_new
             for e in range(dv):
                 acc[t, h, part, g, e] *= corr
                 ag[g, e] = 0.0
+        _weight_sums(p, n, l[t, h, part])
         if v_in_k:  # V = K's first dv rows of K^T: per (g, e) the same sum, keys in order
             for g in range(n_grp):
                 for e in range(dv):
