@@ -198,9 +198,24 @@ def _value_blocks(vf, j0, n, p, ag, e_end, fmt):
 
 
 @njit(cache=True, nogil=True)
-def _fold_item(w, q, qpos, slabs, walk, span, score, state):
+def _item_scratch(n_grp, page_tokens, dv):
+    """A work item's scratch (`_fold_item`), allocated once per serial call or lane: seven
+    arrays allocated per item cost ~2% of a prompt chunk's fold (a 256-token chunk after 256
+    tokens, three K/V heads of three groups, one thread: 8.6 ms against 8.4)."""
+    return (np.empty((n_grp, page_tokens), dtype=np.float32),  # scores
+            np.empty(page_tokens, dtype=np.float64),  # exp's arguments
+            np.empty(page_tokens, dtype=np.float64),  # exp's results
+            np.empty((n_grp, page_tokens), dtype=np.float32),  # weights
+            np.empty(page_tokens, dtype=np.int64),  # exp's scale bits
+            np.empty((n_grp, dv), dtype=np.float32),  # the page's V sums
+            np.empty((4, dv), dtype=np.float32))  # four V rows widened to float32
+
+
+@njit(cache=True, nogil=True)
+def _fold_item(w, q, qpos, slabs, walk, span, score, state, scratch):
     """Work item w = (head h, partition, query t): fold the partition's pages of the walk
-    slice a..b, in page order, into state (t, h, partition).
+    slice a..b, in page order, into state (t, h, partition); scratch from `_item_scratch`
+    (whatever it holds is overwritten before it is read).
 
     K pages are stored transposed, (D, P), so a score is a plain dot product summed over
     dims 0..D-1 in order, vectorized across keys. Weights are rounded to float32 once; the same
@@ -223,13 +238,7 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state):
     h = w // (n_tok * n_items_part)
     pos = qpos[t]
     low = pos - window + 1 if window > 0 else 0
-    s = np.empty((n_grp, page_tokens), dtype=np.float32)
-    x = np.empty(page_tokens, dtype=np.float64)
-    p64 = np.empty(page_tokens, dtype=np.float64)
-    p = np.empty((n_grp, page_tokens), dtype=np.float32)
-    bits = np.empty(page_tokens, dtype=np.int64)
-    ag = np.empty((n_grp, dv), dtype=np.float32)
-    v4 = np.empty((4, dv), dtype=np.float32)  # four V rows widened to float32
+    s, x, p64, p, bits, ag, v4 = scratch
     for gp in range(max(part * split, lo), min((part + 1) * split, lo + n_pg)):
         f = h * n_pg + gp - lo
         if f < a or f >= b:
@@ -341,8 +350,9 @@ def _n_items(q, walk, span):
 
 @njit(cache=True, nogil=True)
 def _fold_serial(q, qpos, slabs, walk, span, score, state, n_items):
+    scratch = _item_scratch(q.shape[2], slabs[1].shape[1], state[2].shape[4])
     for w in range(n_items):
-        _fold_item(w, q, qpos, slabs, walk, span, score, state)
+        _fold_item(w, q, qpos, slabs, walk, span, score, state, scratch)
 
 
 @njit(cache=True, nogil=True)
@@ -415,8 +425,9 @@ def _fold_parallel(q, qpos, slabs, walk, span, score, state, n_items, lanes):
     n_lanes = max(1, min(lanes, n_items))
     order, bounds = balanced_lanes(costs, n_lanes)
     for r in prange(n_lanes):  # prange's index is unsigned: cast, or _fold_item compiles twice
+        scratch = _item_scratch(q.shape[2], slabs[1].shape[1], state[2].shape[4])
         for i in range(bounds[np.int64(r)], bounds[np.int64(r) + 1]):
-            _fold_item(order[i], q, qpos, slabs, walk, span, score, state)
+            _fold_item(order[i], q, qpos, slabs, walk, span, score, state, scratch)
 
 
 # Below this many (query head x key) pairs a call runs on one thread: waking the pool costs
