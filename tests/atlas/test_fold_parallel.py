@@ -183,28 +183,22 @@ def test_the_compiled_plan_is_the_rules():
 
 @given(st.lists(st.integers(0, 5000), min_size=1, max_size=60), st.integers(1, 9))
 @settings(max_examples=150, deadline=None)
-def test_balanced_lanes_deal_every_item_once_and_evenly(costs, n_lanes):
-    """Every item in exactly one lane, in increasing index within it, and the largest lane's
-    keys within one item of an even share (the largest-first rule's bound)."""
+def test_balanced_runs_cut_the_items_in_order_and_evenly(costs, n_lanes):
+    """Runs cover the items in order, each exactly once, and none exceeds an even share of
+    the cost by more than one item's."""
     c = np.array(costs, dtype=np.int64)
-    order, bounds = fold.balanced_lanes(c, n_lanes)
-    assert bounds[0] == 0 and bounds[-1] == len(c) and np.all(np.diff(bounds) >= 0)
-    assert sorted(order.tolist()) == list(range(len(c)))
-    loads = []
-    for r in range(n_lanes):
-        lane = order[bounds[r]:bounds[r + 1]]
-        assert np.all(np.diff(lane) > 0)
-        loads.append(int(c[lane].sum()))
+    bounds = fold.balanced_runs(c, n_lanes)
+    assert bounds.shape == (n_lanes + 1,) and bounds[0] == 0 and bounds[-1] == len(c)
+    assert np.all(np.diff(bounds) >= 0)
+    loads = [int(c[bounds[r]:bounds[r + 1]].sum()) for r in range(n_lanes)]
     assert max(loads) <= c.sum() / n_lanes + c.max()
 
 
-def test_balanced_lanes_even_out_a_decode_walk():
-    """The decode walk that prange's contiguous runs split 17 : 10 (three heads, partitions of
-    4, 4 and 1 pages, two threads) is dealt 14 : 13."""
-    order, bounds = fold.balanced_lanes(np.array([4, 4, 1] * 3, dtype=np.int64), 2)
-    loads = sorted(int(np.array([4, 4, 1] * 3)[order[bounds[r]:bounds[r + 1]]].sum())
-                   for r in range(2))
-    assert loads == [13, 14]
+def test_balanced_runs_even_out_a_decode_walk():
+    """The decode walk that prange's equal counts split 17 : 10 pages (three heads, partitions
+    of 4, 4 and 1 pages, two threads) is cut 13 : 14; even costs into even halves."""
+    assert fold.balanced_runs(np.array([4, 4, 1] * 3, dtype=np.int64), 2).tolist() == [0, 4, 9]
+    assert fold.balanced_runs(np.full(18, 4, dtype=np.int64), 2).tolist() == [0, 9, 18]
 
 
 @pytest.mark.parametrize("case", CASES)
