@@ -150,3 +150,31 @@ def test_errors():
         gelu(_rand((3,)), out=np.empty(4, dtype=np.float32))
     with pytest.raises(ConfigError, match="cap"):
         softcap(_rand((3,)), 0.0)
+
+
+@pytest.mark.parametrize("gelu_act", [False, True])
+def test_gated_halves_equals_the_gated_op_on_the_halves(gelu_act):
+    """gated_halves reads [gate | up] in place; every bit is swiglu's / geglu's of the two
+    halves (edge values included), and a strided input is copied, not misread."""
+    rng = np.random.default_rng(5)
+    gu = (rng.standard_normal((7, 2 * 96)) * 6).astype(np.float32)
+    gu[0, :4] = [np.inf, -np.inf, np.nan, 0.0]
+    gu[1, :3] = [88.8, -104.0, -0.0]
+    gu[2, 96:99] = [np.inf, np.nan, -0.0]
+    want = (geglu if gelu_act else swiglu)(gu[:, :96].copy(), gu[:, 96:].copy())
+    got = act.gated_halves(gu, gelu=gelu_act)
+    assert np.array_equal(got, want, equal_nan=True)
+    wide = np.zeros((7, 2 * 2 * 96), dtype=np.float32)
+    wide[:, ::2] = gu  # every other column: a strided view of the same values
+    assert np.array_equal(act.gated_halves(wide[:, ::2], gelu=gelu_act), want, equal_nan=True)
+    out = np.empty((7, 96), dtype=np.float32)
+    assert act.gated_halves(gu, gelu=gelu_act, out=out) is out
+
+
+def test_gated_halves_errors():
+    with pytest.raises(DimensionError, match="even"):
+        act.gated_halves(np.zeros((2, 5), dtype=np.float32))
+    with pytest.raises(DimensionError):
+        act.gated_halves(np.zeros(6, dtype=np.float32))
+    with pytest.raises(DimensionError):
+        act.gated_halves(np.zeros((2, 6)))

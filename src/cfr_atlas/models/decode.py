@@ -48,7 +48,7 @@ from cfr_atlas.atlas.batch_walk import HotWalks
 from cfr_atlas.atlas.storage import FORMATS, format_of, round_checked, storable
 from cfr_atlas.errors import ModelFormatError
 from cfr_atlas.models.batch import take_rows
-from cfr_atlas.ops.activations import _gelu1, _silu1
+from cfr_atlas.ops.activations import _gated_halves_kernel
 from cfr_atlas.ops.norm import _rms_norm_kernel
 from cfr_atlas.ops.rope import _rotate_kernel
 from cfr_atlas.quant import QuantWeight
@@ -140,15 +140,7 @@ def qkv_rows(qkv, bias, has_bias, q_norm, k_norm, has_norm, eps, cos, sin, neox,
     return ok_k and ok_v and storable(q, q, _F32)  # float32 "storage": q finite
 
 
-@njit(cache=True, nogil=True)
-def gated_rows(gu, gelu, a):
-    """gu (n, 2 hid) fused gate|up rows -> a (n, hid) = act(gate) * up, elementwise as
-    ops.activations' swiglu (act = silu) or geglu (gelu) kernel computes it."""
-    hid = a.shape[1]
-    for t in range(a.shape[0]):
-        for j in range(hid):
-            g = _gelu1(gu[t, j]) if gelu else _silu1(gu[t, j])
-            a[t, j] = g * gu[t, hid + j]
+gated_rows = _gated_halves_kernel  # gu (n, 2 hid) [gate | up] -> a (n, hid): ops' gated_halves
 
 
 class _Buffers:

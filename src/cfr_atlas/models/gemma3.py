@@ -31,7 +31,7 @@ from cfr_atlas.models.batch import BatchItem, batched_forward, forward_layers
 from cfr_atlas.models.decode import DecodeLayer, DecodeStep, parts
 from cfr_atlas.models.gguf_io import GGUFFile
 from cfr_atlas.models.llama import LIMITS, _fused, _matmul, _weight, embed_and_head, rope_freq_scale
-from cfr_atlas.ops import geglu, rms_norm, rope_cos_sin, rope_freqs, rotate
+from cfr_atlas.ops import gated_halves, rms_norm, rope_cos_sin, rope_freqs, rotate
 from cfr_atlas.ops.activations import softcap
 from cfr_atlas.ops.norm import rms_norm_per_head
 from cfr_atlas.quant.weight import check_arithmetic
@@ -227,7 +227,7 @@ class Gemma3Model:
         c, lay = self.config, self.weights.layers[layer]
         x = x + rms_norm(lay.wo.matmul(attn), lay.post_attn_norm, c.norm_eps)
         gu = _matmul(lay.w_gate_up, rms_norm(x, lay.ffn_norm, c.norm_eps))
-        ffn = lay.w_down.matmul(geglu(gu[:, :c.hidden_dim], gu[:, c.hidden_dim:]))
+        ffn = lay.w_down.matmul(gated_halves(gu, gelu=True))  # gu: [gate | up]
         return x + rms_norm(ffn, lay.post_ffn_norm, c.norm_eps)
 
     def final_norm(self, x: np.ndarray) -> np.ndarray:

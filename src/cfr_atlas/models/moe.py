@@ -23,7 +23,7 @@ from numba import njit
 
 from cfr_atlas.errors import ModelFormatError
 from cfr_atlas.experts import ExpertMatrix, ExpertSource
-from cfr_atlas.ops import swiglu
+from cfr_atlas.ops import gated_halves
 from cfr_atlas.quant import QuantWeight
 
 # architecture -> whether the top-k weights are renormalized to sum 1 (llama.cpp's norm_w)
@@ -41,7 +41,7 @@ class DenseFfn:
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
         gu = self._matmul(self.w_gate_up, h)
-        return self.w_down.matmul(swiglu(gu[:, :self.hidden_dim], gu[:, self.hidden_dim:]))
+        return self.w_down.matmul(gated_halves(gu))  # gu: [gate | up], hidden_dim each
 
     def weights(self) -> list:
         gu = self.w_gate_up
@@ -106,8 +106,7 @@ class MoeFfn:
         for e, gate_up, down in self.store.experts(self.layer, np.unique(top), ahead):
             rows, ranks = np.nonzero(top == e)
             gu = gate_up.matmul(np.ascontiguousarray(h[rows]))
-            ff = gu.shape[1] // 2
-            ys[rows, ranks] = down.matmul(swiglu(gu[:, :ff], gu[:, ff:]))
+            ys[rows, ranks] = down.matmul(gated_halves(gu))
         out = ys[:, 0] * w[:, :1]
         for r in range(1, self.k):  # expert outputs summed in rank order
             out += ys[:, r] * w[:, r:r + 1]

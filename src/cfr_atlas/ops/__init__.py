@@ -6,7 +6,7 @@ This package imports nothing of cfr_atlas except `errors`; it holds no weights, 
 attention (those live in quant/, kv/ and atlas/).
 """
 
-from cfr_atlas.ops.activations import geglu, gelu, silu, softcap, swiglu
+from cfr_atlas.ops.activations import gated_halves, geglu, gelu, silu, softcap, swiglu
 from cfr_atlas.ops.block_select import block_means, block_select
 from cfr_atlas.ops.indexer import lightning_indexer_topk
 from cfr_atlas.ops.norm import rms_norm, rms_norm_per_head
@@ -25,6 +25,7 @@ __all__ = [
     "apply_rope",
     "block_means",
     "block_select",
+    "gated_halves",
     "geglu",
     "lightning_indexer_topk",
     "gelu",
