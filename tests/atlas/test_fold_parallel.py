@@ -184,12 +184,19 @@ def test_the_compiled_plan_is_the_rules():
 @given(st.lists(st.integers(0, 5000), min_size=1, max_size=60), st.integers(1, 9))
 @settings(max_examples=150, deadline=None)
 def test_balanced_runs_cut_the_items_in_order_and_evenly(costs, n_lanes):
-    """Runs cover the items in order, each exactly once, and none exceeds an even share of
-    the cost by more than one item's."""
+    """Runs cover the items in order, each exactly once; each cut is the item boundary
+    nearest to its share of the total (the lower one on a tie), so no run exceeds an even share
+    by more than one item's cost."""
     c = np.array(costs, dtype=np.int64)
     bounds = fold.balanced_runs(c, n_lanes)
     assert bounds.shape == (n_lanes + 1,) and bounds[0] == 0 and bounds[-1] == len(c)
     assert np.all(np.diff(bounds) >= 0)
+    prefix = np.concatenate([[0], np.cumsum(c)])
+    for r in range(1, n_lanes):
+        target = prefix[-1] * r / n_lanes
+        dist = np.abs(prefix - target)
+        nearest = int(np.flatnonzero(dist == dist.min())[0])  # the lower one on a tie
+        assert bounds[r] == max(nearest, bounds[r - 1]), (r, target, bounds)
     loads = [int(c[bounds[r]:bounds[r + 1]].sum()) for r in range(n_lanes)]
     assert max(loads) <= c.sum() / n_lanes + c.max()
 
@@ -201,21 +208,70 @@ def test_balanced_runs_even_out_a_decode_walk():
     assert fold.balanced_runs(np.full(18, 4, dtype=np.int64), 2).tolist() == [0, 9, 18]
 
 
+def _keys_by_item(q, qpos, n_pg, span, window, P):
+    """An independent count: for every (query t, head h, page), the keys it reads, summed
+    into the item (h, partition, t) `_fold_item` folds that page in."""
+    lo, context, split, a, b = span
+    n_tok, n_head = q.shape[:2]
+    p0 = lo // split
+    n_parts = (lo + n_pg - 1) // split - p0 + 1
+    keys = np.zeros(n_head * n_parts * n_tok, dtype=np.int64)
+    for h in range(n_head):
+        for i in range(n_pg):
+            if not a <= h * n_pg + i < b:
+                continue
+            gp = lo + i
+            for t, pos in enumerate(qpos):
+                low = pos - window + 1 if window > 0 else 0
+                first, last = gp * P, min((gp + 1) * P, context) - 1
+                n = max(0, min(last, pos) - max(first, low) + 1)
+                keys[(h * n_parts + gp // split - p0) * n_tok + t] += n
+    return keys
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_item_keys_count_the_pairs_each_item_folds(case):
-    """`_item_keys` (the cost the lanes are dealt by) summed over a walk's items is the number
-    of (query, key) pairs the causal (and windowed) attention reads, per K/V head."""
-    args, shape, _ = _problem(np.random.default_rng(3), StorageDtype.FLOAT32, **CASES[case])
-    q, qpos, slabs, walk, span, score = args
+@pytest.mark.parametrize("lo, cut", [(0, None), (2, None), (0, (3, 9)), (1, (1, 5))])
+def test_item_keys_count_each_items_pairs(case, lo, cut):
+    """`_item_keys` (the cost the runs are cut by) equals, item by item, the (query, key)
+    pairs of its pages that the causal (and windowed) attention reads, for walks from page 0
+    or a later page and for a slice a..b of the walk's pages."""
+    args, _, _ = _problem(np.random.default_rng(3), StorageDtype.FLOAT32, **CASES[case])
+    q, qpos, slabs, walk, (_, context, split, _, _), score = args
     P = slabs[1].shape[1]
-    window = score[3]
+    n_pg = -(-context // P) - lo
+    if n_pg < 1:
+        pytest.skip("the walk has no page after lo")
+    walk = tuple(x[:, lo:] for x in walk)
+    a, b = (0, q.shape[1] * n_pg) if cut is None else cut
+    span = (lo, context, split, a, min(b, q.shape[1] * n_pg))
     items = fold._n_items(q, walk, span)
-    got = sum(fold._item_keys(w, q, qpos, walk, span, window, P) for w in range(items))
-    want = 0
-    for pos in qpos:
-        low = pos - window + 1 if window > 0 else 0
-        want += pos + 1 - max(0, low)
-    assert got == want * q.shape[1]
+    got = [fold._item_keys(w, q, qpos, walk, span, score[3], P) for w in range(items)]
+    assert got == _keys_by_item(q, qpos, n_pg, span, score[3], P).tolist()
+
+
+def test_weight_sums_are_the_one_group_loop():
+    """`_weight_sums` (four groups' float64 sums side by side) gives every group the bits of
+    the plain loop lsum = l; lsum += float64(p[g, j]) for j in order, for 1 to 9 groups."""
+    rng = np.random.default_rng(4)
+
+    @numba.njit
+    def sums(p, n, lg):
+        fold._weight_sums(p, n, lg)
+
+    for n_grp in range(1, 10):
+        for n in (1, 2, 5, 17, 256):
+            p = (rng.random((n_grp, 256)) ** 8 * 10.0 ** rng.integers(-30, 5, (n_grp, 256))
+                 ).astype(np.float32)
+            start = rng.random(n_grp) * 1e3
+            lg = start.copy()
+            sums(p, n, lg)
+            want = start.copy()
+            for g in range(n_grp):
+                acc = start[g]
+                for j in range(n):
+                    acc = acc + np.float64(p[g, j])
+                want[g] = acc
+            assert np.array_equal(lg, want), (n_grp, n)
 
 
 @pytest.mark.parametrize("lanes", [1, 2, 3, 7, 64])

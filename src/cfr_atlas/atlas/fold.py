@@ -414,9 +414,9 @@ def balanced_runs(costs, n_lanes):
 @njit(cache=True, parallel=True, nogil=True)
 def _fold_parallel(q, qpos, slabs, walk, span, score, state, n_items, lanes):
     """The work items cut, in order, into `lanes` runs of nearly equal keys (`_item_keys`,
-    `balanced_runs`), one run per prange iteration; lanes is the caller's thread count
-    (numba's get_num_threads inside a kernel would keep it out of the disk cache). Which
-    thread folds an item never changes its bits."""
+    `balanced_runs`), one run per prange iteration; lanes is the caller's thread count,
+    passed in (numba 0.68 declined to cache this kernel calling get_num_threads itself: "uses
+    dynamic globals"). Which thread folds an item never changes its bits."""
     costs = np.empty(n_items, dtype=np.int64)
     for w in range(n_items):
         costs[w] = _item_keys(w, q, qpos, walk, span, score[3], slabs[1].shape[1])
