@@ -197,6 +197,23 @@ def _value_blocks(vf, j0, n, p, ag, e_end, fmt):
                 values_block(vf, j0, n, p, g0, ag, e0, 1, fmt)
 
 
+@njit(cache=True, inline="always")
+def _item_of(w, n_tok, n_pg, lo, split):
+    """Work item w of a walk of n_pg pages from page lo -> (query t, head h, partition, the
+    end of its page range): items run query-fastest, then partition, then head."""
+    p0 = lo // split
+    n_items_part = (lo + n_pg - 1) // split - p0 + 1
+    part = p0 + (w // n_tok) % n_items_part
+    return w % n_tok, w // (n_tok * n_items_part), part, min((part + 1) * split, lo + n_pg)
+
+
+@njit(cache=True, inline="always")
+def _page_keys(start, n_valid, pos, low):
+    """The keys j0 .. j1 - 1 of a page from token `start` (n_valid rows) that a query at pos
+    reads, its window starting at token low (empty when j0 >= j1)."""
+    return max(0, low - start), min(n_valid, pos - start + 1)
+
+
 @njit(cache=True, nogil=True)
 def _item_scratch(n_grp, page_tokens, dv):
     """A work item's scratch (`_fold_item`), allocated once per serial call or lane: seven
@@ -231,15 +248,11 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state, scratch):
     v_in_k = slabs[1].shape[2] == 0
     page_tokens = slabs[1].shape[1]
     n_pg = src.shape[1]
-    p0 = lo // split
-    n_items_part = (lo + n_pg - 1) // split - p0 + 1
-    t = w % n_tok
-    part = p0 + (w // n_tok) % n_items_part
-    h = w // (n_tok * n_items_part)
+    t, h, part, gp_end = _item_of(w, n_tok, n_pg, lo, split)
     pos = qpos[t]
     low = pos - window + 1 if window > 0 else 0
     s, x, p64, p, bits, ag, v4 = scratch
-    for gp in range(max(part * split, lo), min((part + 1) * split, lo + n_pg)):
+    for gp in range(max(part * split, lo), gp_end):
         f = h * n_pg + gp - lo
         if f < a or f >= b:
             continue
@@ -247,8 +260,7 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state, scratch):
         if start > pos:
             break
         n_valid = min(page_tokens, context - start)
-        j0 = max(0, low - start)
-        j1 = min(n_valid, pos - start + 1)
+        j0, j1 = _page_keys(start, n_valid, pos, low)
         if j0 >= j1:
             continue
         i = gp - lo
@@ -358,27 +370,20 @@ def _fold_serial(q, qpos, slabs, walk, span, score, state, n_items):
 @njit(cache=True, nogil=True)
 def _item_keys(w, q, qpos, walk, span, window, page_tokens):
     """The keys work item w folds (`_fold_item`'s loop bounds, nothing read): its cost."""
-    src = walk[0]
     lo, context, split, a, b = span
-    n_tok = q.shape[0]
-    n_pg = src.shape[1]
-    p0 = lo // split
-    n_items_part = (lo + n_pg - 1) // split - p0 + 1
-    t = w % n_tok
-    part = p0 + (w // n_tok) % n_items_part
-    h = w // (n_tok * n_items_part)
+    n_pg = walk[0].shape[1]
+    t, h, part, gp_end = _item_of(w, q.shape[0], n_pg, lo, split)
     pos = qpos[t]
     low = pos - window + 1 if window > 0 else 0
     keys = 0
-    for gp in range(max(part * split, lo), min((part + 1) * split, lo + n_pg)):
+    for gp in range(max(part * split, lo), gp_end):
         f = h * n_pg + gp - lo
         if f < a or f >= b:
             continue
         start = gp * page_tokens
         if start > pos:
             break
-        j0 = max(0, low - start)
-        j1 = min(min(page_tokens, context - start), pos - start + 1)
+        j0, j1 = _page_keys(start, min(page_tokens, context - start), pos, low)
         keys += max(0, j1 - j0)
     return keys
 
