@@ -405,13 +405,12 @@ def balanced_runs(costs, n_lanes):
     total = prefix[n]
     bounds = np.zeros(n_lanes + 1, dtype=np.int64)
     bounds[n_lanes] = n
-    i = 0
     for r in range(1, n_lanes):
         target = total * r / n_lanes
-        while i < n and prefix[i + 1] <= target:  # items wholly below the target
-            i += 1
-        # cut at i (prefix[i] <= target) or i + 1, whichever is nearer the target
-        cut = i + 1 if i < n and prefix[i + 1] - target < target - prefix[i] else i
+        cut = 0  # the boundary nearest the target, the lowest of equally near ones
+        for i in range(1, n + 1):
+            if abs(prefix[i] - target) < abs(prefix[cut] - target):
+                cut = i
         bounds[r] = max(cut, bounds[r - 1])
     return bounds
 
