@@ -59,10 +59,16 @@ def _expert_args(p: argparse.ArgumentParser) -> None:
                    "(default: all resident). Output does not change")
     p.add_argument("--expert-policy", default="lru", choices=["lru", "frequency"],
                    help="which expert to evict when the budget is full (default lru)")
+    p.add_argument("--expert-reads", default="auto", choices=["auto", "direct", "cached"],
+                   help="how experts not in the OS page cache are read under a budget: "
+                   "direct (off the disk by reader threads, bypassing the page cache), cached "
+                   "(through it), auto (default: direct when the experts do not fit in the "
+                   "memory left beside the budget)")
 
 
 def _expert_kw(a) -> dict:
-    return {"expert_budget": a.expert_budget, "expert_policy": a.expert_policy}
+    return {"expert_budget": a.expert_budget, "expert_policy": a.expert_policy,
+            "expert_reads": a.expert_reads}
 
 
 def _matmul_arg(p: argparse.ArgumentParser) -> None:

@@ -32,6 +32,7 @@ def load_model(path: str | os.PathLike | None = None, *,
                prefix_store: str | None = None, prefix_store_ttl: int | None = None,
                matmul: str = "float", expert_budget: int | str | None = None,
                expert_policy: str = "lru", routing_profile: dict | None = None,
+               expert_reads: str = "auto",
                tile_cache: str | os.PathLike | bool | None = None) -> Model:
     """Load a GGUF model (default: the bundled SmolLM2-135M-Instruct Q4_1).
 
@@ -55,6 +56,10 @@ def load_model(path: str | os.PathLike | None = None, *,
     share of all experts such as "50%"); None keeps every expert resident. Any budget gives
     bitwise the same logits (docs/MOE.md). expert_policy: "lru", "frequency" or "pinned"
     (pins the experts most chosen in `routing_profile`, {(layer, expert): count}).
+    expert_reads: how a budgeted store reads experts that are not in the OS page cache:
+    "cached" through it (read-ahead advice, then the mapped file), "direct" off the disk into
+    small staging buffers by a pool of reader threads (O_DIRECT), "auto" (default) direct when
+    the experts' file bytes exceed the memory left beside the pool. Output does not change.
 
     tile_cache: where the repacked weight tiles are kept for the next load, which maps them
     instead of repacking (models/tile_cache.py; bitwise the same tiles, checksummed). None
@@ -66,7 +71,8 @@ def load_model(path: str | os.PathLike | None = None, *,
                  prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes,
                  prefix_store=prefix_store, prefix_store_ttl=prefix_store_ttl, matmul=matmul,
                  expert_budget=expert_budget, expert_policy=expert_policy,
-                 routing_profile=routing_profile, tile_cache=tile_cache)
+                 routing_profile=routing_profile, expert_reads=expert_reads,
+                 tile_cache=tile_cache)
 
 
 def _start_kernel_runtime() -> None:
@@ -117,9 +123,11 @@ class Model:
                  prefix_cache_bytes: int | str = DEFAULT_DISK_BYTES, prefix_store=None,
                  prefix_store_ttl: int | None = None, matmul: str = "float",
                  expert_budget: int | str | None = None, expert_policy: str = "lru",
-                 routing_profile: dict | None = None, tile_cache=None):
+                 routing_profile: dict | None = None, expert_reads: str = "auto",
+                 tile_cache=None):
         self.path = gf.path
-        experts = expert_options(gf, expert_budget, expert_policy, routing_profile)
+        experts = expert_options(gf, expert_budget, expert_policy, routing_profile,
+                                 expert_reads)
         gf.tile_cache = _tile_cache(gf, matmul, tile_cache)
         self.net = load_net(gf, matmul=matmul, **experts)  # the family's class, by architecture
         self.tokenizer = Tokenizer.from_gguf(gf.reader)  # while the tile cache's sum is checked

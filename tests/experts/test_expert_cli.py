@@ -1,5 +1,8 @@
-"""`cfr-atlas generate --expert-budget` on a tiny MoE file: same text as all-resident, the
-expert counters on stderr, and a budget holding no expert refused with exit code 2."""
+"""`cfr-atlas generate --expert-budget` on a tiny MoE file: same text as all-resident (reading
+uncached experts through the page cache or directly), the expert counters on stderr, and a
+budget holding no expert or an unknown --expert-reads refused with exit code 2."""
+
+import pytest
 
 from cfr_atlas import cli
 
@@ -15,10 +18,17 @@ def test_generate_with_expert_budget_prints_same_text_and_counters(capsys, moe_f
     path = moe_file("qwen3moe")
     code, full, _ = _generate(capsys, path)
     assert code == 0
-    code, budgeted, err = _generate(capsys, path, "--expert-budget", "25%",
-                                    "--expert-policy", "frequency")
-    assert code == 0 and budgeted == full
-    assert "expert hits" in err and "misses" in err
+    for reads in ("cached", "direct"):
+        code, budgeted, err = _generate(capsys, path, "--expert-budget", "25%",
+                                        "--expert-policy", "frequency", "--expert-reads", reads)
+        assert code == 0 and budgeted == full
+        assert "expert hits" in err and "misses" in err
+
+
+def test_an_unknown_way_of_reading_experts_exits_2(capsys, moe_file):
+    with pytest.raises(SystemExit) as exit_:  # argparse's usage error
+        _generate(capsys, moe_file("qwen3moe"), "--expert-reads", "fast")
+    assert exit_.value.code == 2 and "--expert-reads" in capsys.readouterr().err
 
 
 def test_expert_budget_below_one_expert_exits_2(capsys, moe_file):

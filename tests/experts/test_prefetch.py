@@ -180,7 +180,8 @@ def test_advice_skips_an_expert_whose_bytes_are_cached(model, monkeypatch):
     monkeypatch.setattr(source_mod, "resident_pages", pages_of(None))
     src.advise(1, [3])
     assert calls == []
-    assert looked == [(mm.address(3), mm.data[0].nbytes) for mm in src.layers[1]]  # its own
+    ranges = [(mm.address(3), mm.data[0].nbytes) for mm in src.layers[1]]  # its own
+    assert looked == [(a, k) for a, n in ranges for k in (1, n)]  # first page, then all
     last = m.address(3) + m.data[0].nbytes - 1  # one page of expert 3's gate range dropped
     monkeypatch.setattr(source_mod, "resident_pages", pages_of(last))
     src.advise(1, [2, 3])

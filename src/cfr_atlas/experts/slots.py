@@ -116,14 +116,14 @@ def write(tiles: tuple, source: ExpertSource, layer: int, e: int,
     out = [QuantWeight(f"{name}.{role}", t.qtype, t.shape, v, t.codec) for t, v, role
            in zip(layout.templates, tiles, ("gate_up", "down"), strict=True)]
     built = None
-    gate, up, down = source.layers[layer]
-    for i, (w, mats) in enumerate(zip(out, ((gate, up), (down,)), strict=True)):
-        if layout.one_pass[i]:
-            KERNELS[source.arithmetic, w.qtype][1]([m.block_bytes(e) for m in mats], w.qtype,
-                                                   w.shape[1], w.tiles)
-            continue
-        built = built or source.build(layer, e)
-        for dst, src in zip(w.tiles, built[i].tiles, strict=True):
-            if isinstance(dst, np.ndarray):
-                np.copyto(dst, src)
+    with source.expert_bytes(layer, e) as raws:  # staged by the reader, or the mapped file
+        for i, (w, mats) in enumerate(zip(out, (raws[:2], raws[2:]), strict=True)):
+            if layout.one_pass[i]:
+                KERNELS[source.arithmetic, w.qtype][1](
+                    [a.reshape(-1).view(np.uint8) for a in mats], w.qtype, w.shape[1], w.tiles)
+                continue
+            built = built or source.build(layer, e, raws)
+            for dst, src in zip(w.tiles, built[i].tiles, strict=True):
+                if isinstance(dst, np.ndarray):
+                    np.copyto(dst, src)
     return out[0], out[1]

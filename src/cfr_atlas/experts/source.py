@@ -10,12 +10,14 @@ This module reads arrays it is handed; it does not open files or know tensor nam
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
 from cfr_atlas.errors import DimensionError, ModelFormatError, UnsupportedQuantError
+from cfr_atlas.experts.reader import ALIGN, DirectReader
 from cfr_atlas.os_pages import resident_pages
 from cfr_atlas.quant import QuantWeight
 from cfr_atlas.quant.formats import qtype_from_gguf
@@ -63,6 +65,7 @@ class ExpertSource:
                  arithmetic: str = "float", path: str | os.PathLike | None = None):
         self.layers, self.arithmetic, self.path = layers, arithmetic, path
         self._fd: int | None = None
+        self.reader: DirectReader | None = None  # `read_direct`: uncached experts off the disk
         self._warm: dict[tuple[int, int], int] = {}  # (layer, matrix) -> asks left unlooked
         self.n_experts = int(layers[0][0].data.shape[0]) if layers else 0
         for gate, up, down in layers:
@@ -82,6 +85,17 @@ class ExpertSource:
             raise DimensionError(f"{m.name}: {m.data.shape[0]} experts, layer 0 has "
                                  f"{self.n_experts}")
 
+    def begin_step(self, layer: int, experts) -> None:
+        """`layer`'s step will load expert ids `experts`: staged experts of other layers than
+        it and the next, and its own it does not load (wrong predictions), are dropped; then
+        its loads are asked for (`advise`)."""
+        experts = list(experts)
+        if self.reader is not None:
+            loads = set(experts)
+            self.reader.keep(lambda key: key[0] == layer + 1 or key[0] == layer and key[1]
+                             in loads)
+        self.advise(layer, experts)
+
     def advise(self, layer: int, experts) -> None:
         """Ask the kernel to read the ranges of `layer`'s expert ids `experts` into the page
         cache ahead of use (posix_fadvise WILLNEED: the reads run in the kernel, overlapping
@@ -91,22 +105,74 @@ class ExpertSource:
         (A tensor-wide look trusted for later asks let an expert dropped meanwhile be faulted
         in unadvised, each fault reading 8 MiB around it: after the kernel dropped a running
         model's pages, a decode token read 617 MB from disk for 78 MB of experts,
-        docs/PERFORMANCE.md.) A no-op without a file path or offsets."""
+        docs/PERFORMANCE.md.) With direct reads on (`read_direct`), an expert with any page
+        not cached is staged instead: its three ranges read off the disk into a staging buffer
+        by the reader's threads (reader.py), bypassing the page cache; if no buffer can be had,
+        it is advised as above. A no-op without a file path or offsets."""
         experts = list(experts)
-        if not experts or self.path is None or not hasattr(os, "posix_fadvise"):
+        mats = [m for m in self.layers[layer] if m.offset >= 0]
+        if not experts or self.path is None or not mats:
             return
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        for m in self.layers[layer]:
-            if m.offset < 0:
-                continue
-            n = m.data[0].nbytes
-            for e in experts:
-                pages = resident_pages(m.address(e), n)
-                if pages is not None and pages.all():
-                    continue
-                os.posix_fadvise(self._fd, *m.byte_range(e), os.POSIX_FADV_WILLNEED)
-                self._warm.clear()  # the kernel drops pages: no tensor is trusted unlooked
+        cold = {e: [not self._cached(m, e) for m in mats] for e in experts}
+        if any(any(c) for c in cold.values()):
+            self._warm.clear()  # the kernel drops pages: no tensor is trusted unlooked
+        if self.reader is not None and len(mats) == len(self.layers[layer]):
+            cold = {e: c for e, c in cold.items() if not any(c) or not self.reader.stage(
+                (layer, e), [m.byte_range(e) for m in mats])}
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for i, m in enumerate(mats):  # in file order: each tensor's experts by id
+            for e, c in cold.items():
+                if c[i]:
+                    if self._fd is None:
+                        self._fd = os.open(self.path, os.O_RDONLY)
+                    os.posix_fadvise(self._fd, *m.byte_range(e), os.POSIX_FADV_WILLNEED)
+
+    @staticmethod
+    def _cached(m: ExpertMatrix, e: int) -> bool:
+        """Whether every page of expert e's range of `m` is in the page cache. Its first page
+        is looked at alone first (a few us): an expert the kernel dropped is usually dropped
+        whole, and the range's look (~10-20 us: the kernel walks the cache page by page) is
+        then not needed."""
+        first = resident_pages(m.address(e), 1)
+        if first is not None and not first[0]:
+            return False
+        pages = resident_pages(m.address(e), m.data[0].nbytes)
+        return pages is not None and bool(pages.all())
+
+    def read_direct(self, experts: int) -> None:
+        """Read uncached experts off the disk (O_DIRECT where the filesystem allows) into
+        staging buffers for at most `experts` experts of the largest layer; 0 switches it off
+        (reads through the page cache). Staging is outside the expert budget: its bytes are
+        `reader.allocated` (at most `experts` x an expert's file bytes, each matrix rounded out
+        to 4 KiB). The bytes read are the file's: nothing computed changes."""
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+        if experts > 0 and self.path is not None:
+            self.reader = DirectReader(self.path, experts * self.staged_bytes())
+
+    def staged_bytes(self) -> int:
+        """Staging bytes of the largest layer's expert: each matrix's range rounded out to
+        ALIGN on both sides."""
+        return max(sum(-(-m.data[0].nbytes // ALIGN) * ALIGN + ALIGN for m in mats)
+                   for mats in self.layers) if self.layers else 0
+
+    @contextmanager
+    def expert_bytes(self, layer: int, e: int):
+        """Expert e's (gate, up, down) bytes as `raw(e)` gives them (shape, dtype): the staged
+        copy when the reader has one (waiting for its reads; its buffer held until the block
+        ends), else the mapped file."""
+        mats = self.layers[layer]
+        got = None if self.reader is None else self.reader.take((layer, e))
+        if got is None:
+            yield [m.raw(e) for m in mats]
+            return
+        try:
+            yield [v.view(m.data.dtype).reshape(m.data.shape[1:])
+                   for v, m in zip(got, mats, strict=True)]
+        finally:
+            self.reader.release((layer, e))
 
     def cached(self, layer: int) -> bool:
         """Whether every expert byte of `layer` is in the OS page cache (so nothing of it is
@@ -131,6 +197,9 @@ class ExpertSource:
         return False
 
     def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -139,14 +208,17 @@ class ExpertSource:
         """File bytes one expert of `layer` occupies (gate + up + down)."""
         return sum(m.raw(0).nbytes for m in self.layers[layer])
 
-    def build(self, layer: int, e: int) -> tuple[QuantWeight, QuantWeight]:
-        """Expert e of `layer` -> (gate|up (2 ff, dim), down (dim, ff)), freshly repacked."""
+    def build(self, layer: int, e: int, raws=None) -> tuple[QuantWeight, QuantWeight]:
+        """Expert e of `layer` -> (gate|up (2 ff, dim), down (dim, ff)), freshly repacked
+        (from `raws`, its (gate, up, down) bytes as `expert_bytes` gives them, or the mapped
+        file)."""
         gate, up, down = self.layers[layer]
+        g, u, d = raws if raws is not None else (m.raw(e) for m in self.layers[layer])
         name = f"blk.{layer}.expert{e}"
-        raw = np.concatenate([_rows(gate.raw(e), gate.rows), _rows(up.raw(e), up.rows)])
+        raw = np.concatenate([_rows(g, gate.rows), _rows(u, up.rows)])
         gu = QuantWeight.from_gguf(name + ".gate_up", gate.ggml_type, raw,
                                    (gate.rows + up.rows, gate.cols), arithmetic=self.arithmetic)
-        dn = QuantWeight.from_gguf(name + ".down", down.ggml_type, down.raw(e),
+        dn = QuantWeight.from_gguf(name + ".down", down.ggml_type, d,
                                    (down.rows, down.cols), arithmetic=self.arithmetic)
         return gu, dn
 

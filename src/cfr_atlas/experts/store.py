@@ -37,6 +37,7 @@ from cfr_atlas.errors import CapacityError, ConfigError
 from cfr_atlas.experts import slots
 from cfr_atlas.experts.policies import LruPolicy, victim_slots
 from cfr_atlas.experts.prefetch import Prefetcher
+from cfr_atlas.experts.reader import ReaderCounts
 from cfr_atlas.experts.source import ExpertSource
 from cfr_atlas.kernel_threads import spare_core
 
@@ -73,6 +74,7 @@ class ExpertTelemetry:
     prefetch_unused: int = 0  # prefetched experts their step did not use (a wrong prediction)
     prefetch_misses: int = 0  # loads a predicted step still waited for (not prefetched in time)
     routing: np.ndarray = field(default=None)  # (n_layers, n_experts) times chosen
+    reads: ReaderCounts | None = None  # the direct reader's own counts, while it is on
 
     def __post_init__(self):
         if self.routing is None:
@@ -83,7 +85,9 @@ class ExpertTelemetry:
                 "last_step_bytes_moved", "last_step_misses", "resident_bytes",
                 "peak_resident_bytes", "extra_turns", "prefetched", "prefetch_bytes_read",
                 "prefetch_hits", "prefetch_unused", "prefetch_misses")
-        return {"expert_" + k: int(getattr(self, k)) for k in keys}
+        reads = self.reads or ReaderCounts()
+        return {**{"expert_" + k: int(getattr(self, k)) for k in keys},
+                **{"expert_direct_" + k: int(v) for k, v in vars(reads).items()}}
 
     def routing_report(self) -> list[dict]:
         """Per layer: picks per expert, and skew = share of picks taken by the most-chosen
@@ -173,6 +177,14 @@ class ExpertStore:
                 self.prefetcher.settle(self.n_layers)  # its load in flight ends first
             self.prefetcher = Prefetcher(self) if on and self.bounded else None
 
+    def read_direct(self, experts: int) -> None:
+        """Stage up to `experts` uncached experts at once off the disk, bypassing the page
+        cache (ExpertSource.read_direct; 0: off). Only a bounded pool loads after the load, so
+        an unbounded one keeps it off. Results never change."""
+        self.source.read_direct(experts if self.bounded else 0)
+        reader = self.source.reader
+        self.telemetry.reads = None if reader is None else reader.counts
+
     def begin_step(self) -> None:
         self.telemetry.last_step_bytes_moved = self.telemetry.last_step_misses = 0
 
@@ -195,7 +207,7 @@ class ExpertStore:
                 self._count_prediction(layer, turns)
                 self.telemetry.extra_turns += len(turns) - 1
             # every load of the step asked for at once: the disk sees them all
-            self.source.advise(layer, [key[1] for turn in turns for key, _ in turn.loads])
+            self.source.begin_step(layer, [key[1] for turn in turns for key, _ in turn.loads])
             if ahead is not None and self.prefetcher is not None:
                 self.prefetcher.request(layer + 1, ahead)
             elif ahead is not None and layer + 1 < self.n_layers:

@@ -5,10 +5,15 @@ store.
 None = all resident), policy and routing profile into the keyword arguments of an MoE family.
 `check_host_memory` refuses a load whose resident weights plus expert pool exceed the memory
 psutil reports available, naming the budget to lower, instead of swapping or being killed.
+`direct_reads` decides how a bounded store reads uncached experts: through the page cache or
+straight off the disk (experts/reader.py). Both measure memory with `available_memory`: psutil's
+figure, or less inside a memory cgroup with a limit (a container).
 Not here: the store itself (experts/), the models.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import psutil
 
@@ -20,6 +25,7 @@ from cfr_atlas.models.session import parse_bytes
 # Upper bound of repacked bytes per stored byte (Q4 formats unpack nibbles to bytes: ~2x;
 # Q8_0 and floats ~1x), so the estimate of the resident weights errs on the safe side.
 REPACK_GROWTH = 2
+EXPERT_READS = ("auto", "direct", "cached")
 
 
 def parse_expert_budget(value) -> int | float | None:
@@ -38,13 +44,50 @@ def parse_expert_budget(value) -> int | float | None:
     return parse_bytes(value, "expert_budget")
 
 
-def expert_options(gf, budget, policy: str, profile) -> dict:
+def expert_options(gf, budget, policy: str, profile, reads: str = "auto") -> dict:
     """Keyword arguments for load_net: empty for a default load (nothing to pass on), so
     dense families never see them."""
-    if budget is None and policy == "lru" and profile is None:
+    if budget is None and policy == "lru" and profile is None and reads == "auto":
         return {}
     return {"expert_budget": parse_expert_budget(budget), "expert_policy": policy,
-            "routing_profile": profile}
+            "routing_profile": profile, "expert_reads": reads}
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def available_memory() -> int:
+    """Bytes this process can still take: psutil's available memory, or less when its memory
+    cgroup (v1 or v2) has a limit: the limit less the usage, the usage without the inactive
+    page cache the kernel reclaims first (as `docker stats` counts). A container's limit is
+    what the OOM killer enforces, and psutil reports the host's memory."""
+    left = int(psutil.virtual_memory().available)
+    for limit, usage, stat in _cgroup_files():
+        try:
+            cap = int(limit.read_text().split()[0])
+            used = int(usage.read_text().split()[0])
+            fields = dict(line.split() for line in stat.read_text().splitlines())
+        except (OSError, ValueError):  # no such cgroup file, or "max": no limit there
+            continue
+        used -= int(fields.get("total_inactive_file", fields.get("inactive_file", 0)))
+        left = min(left, max(cap - used, 0))
+    return left
+
+
+def _cgroup_files():
+    """(limit, usage, stat) files of this process's memory cgroups, from /proc/self/cgroup."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2's unified hierarchy
+            d = CGROUP_ROOT / path.lstrip("/")
+            yield d / "memory.max", d / "memory.current", d / "memory.stat"
+        elif "memory" in controllers.split(","):
+            d = CGROUP_ROOT / "memory" / path.lstrip("/")
+            yield d / "memory.limit_in_bytes", d / "memory.usage_in_bytes", d / "memory.stat"
 
 
 def resident_estimate(gf) -> int:
@@ -56,7 +99,7 @@ def resident_estimate(gf) -> int:
 def check_host_memory(gf, pool_bytes: int, budget) -> None:
     """HostMemoryError when resident weights + the expert pool exceed available memory."""
     resident = resident_estimate(gf)
-    available = int(psutil.virtual_memory().available)
+    available = available_memory()
     if resident + pool_bytes > available:
         raise HostMemoryError(
             f"{gf.path.name}: loading needs about {resident + pool_bytes:,} bytes (resident "
@@ -65,11 +108,30 @@ def check_host_memory(gf, pool_bytes: int, budget) -> None:
             f"{'all experts' if budget is None else budget}) or free memory")
 
 
-def build_store(gf, cfg, matmul: str, budget, policy: str,
-                profile: dict | None) -> ExpertStore | None:
+def direct_reads(gf, store: ExpertStore, reads: str) -> bool:
+    """Whether `store` reads uncached experts off the disk, bypassing the page cache. "auto":
+    when the pool is bounded and the experts' file bytes exceed the memory left once the pool
+    is full (`available_memory` less the pool): then the page cache cannot keep them,
+    each expert read through it would be evicted again unused, and the kernel's page-cache
+    work is all cost. Otherwise the page cache is a second tier of experts at memory speed,
+    and "auto" keeps it."""
+    if reads not in EXPERT_READS:
+        raise ConfigError("expert_reads", f"{reads!r} is not one of {list(EXPERT_READS)}")
+    if reads != "auto":
+        return reads == "direct"
+    on_disk = sum(int(t.n_bytes) for name, t in gf.tensors.items() if "_exps." in name)
+    left = available_memory() - store.pool.nbytes
+    return store.bounded and on_disk > left
+
+
+def build_store(gf, cfg, matmul: str, budget, policy: str, profile: dict | None,
+                reads: str = "auto") -> ExpertStore | None:
     """The expert store of an MoE model (None for a dense one): every expert resident when
     `budget` is None, else a pool of at most `budget` bytes (or that share of all experts)
-    evicting by `policy`. Host memory is checked before the pool is allocated."""
+    evicting by `policy`, reading uncached experts as `reads` says (`direct_reads`; direct
+    reads stage up to three layers' top-k experts at once: a step's loads, the next layer's
+    predictions, and wrong predictions whose reads are still in flight). Host memory is checked
+    before the pool is allocated."""
     if not cfg.n_experts:
         if budget is not None:
             raise ConfigError("expert_budget", f"{gf.path.name} is a dense {cfg.arch} model; "
@@ -77,9 +139,13 @@ def build_store(gf, cfg, matmul: str, budget, policy: str,
         return None
     if policy not in POLICIES:
         raise ConfigError("expert_policy", f"{policy!r} is not one of {sorted(POLICIES)}")
+    if reads not in EXPERT_READS:
+        raise ConfigError("expert_reads", f"{reads!r} is not one of {list(EXPERT_READS)}")
     source = expert_source(gf, cfg, matmul)
     store = ExpertStore(source, budget, POLICIES["lru"](),
                         before_alloc=lambda n: check_host_memory(gf, n, budget))
+    if direct_reads(gf, store, reads):
+        store.read_direct(3 * max(cfg.n_experts_used, 1))
     if policy == "pinned":  # pin all but one layer's top-k worth of slots
         store.policy = POLICIES[policy](profile or {}, max(store.n_slots - cfg.n_experts_used, 0))
     elif policy != "lru":

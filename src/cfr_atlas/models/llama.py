@@ -321,11 +321,12 @@ class LlamaModel:
     """Config + weights + the forward pass. K/V state is passed in (a `Session`)."""
 
     def __init__(self, gf: GGUFFile, *, matmul: str = "float", expert_budget: int | None = None,
-                 expert_policy: str = "lru", routing_profile: dict | None = None):
+                 expert_policy: str = "lru", routing_profile: dict | None = None,
+                 expert_reads: str = "auto"):
         self.config = LlamaConfig.from_gguf(gf)
         self.matmul = check_arithmetic(matmul)
         self._gf = gf
-        self._expert_args = (expert_budget, expert_policy, routing_profile)
+        self._expert_args = (expert_budget, expert_policy, routing_profile, expert_reads)
         self.experts = build_store(gf, self.config, matmul, *self._expert_args)
         self.weights = LlamaWeights(gf, self.config, matmul, self.experts)
         c = self.config
@@ -354,9 +355,11 @@ class LlamaModel:
                             gate_up=parts(lay.ffn.w_gate_up), gelu=False, down=lay.ffn.w_down,
                             post_ffn_norm=None) for lay in layers]
 
-    def set_experts(self, budget=None, policy: str = "lru", profile: dict | None = None):
-        """Replace the expert store (a new budget or policy) without reloading the model; the
-        old pool is released. budget as load_model's expert_budget. -> the new ExpertStore."""
+    def set_experts(self, budget=None, policy: str = "lru", profile: dict | None = None,
+                    reads: str = "auto"):
+        """Replace the expert store (a new budget, policy or way of reading) without reloading
+        the model; the old pool is released. budget as load_model's expert_budget, reads as its
+        expert_reads. -> the new ExpertStore."""
         if not self.config.n_experts:
             raise ConfigError("expert_budget", f"this {self.config.arch} model has no experts")
         budget = parse_expert_budget(budget)
@@ -364,11 +367,12 @@ class LlamaModel:
             self.experts.source.close()
         self._use_store(None)  # drop the old pool before the new one is allocated
         try:
-            store = build_store(self._gf, self.config, self.matmul, budget, policy, profile)
+            store = build_store(self._gf, self.config, self.matmul, budget, policy, profile,
+                                reads)
         except Exception:  # refused (budget, host memory): the model keeps its old settings
             self._use_store(build_store(self._gf, self.config, self.matmul, *self._expert_args))
             raise
-        self._expert_args = (budget, policy, profile)
+        self._expert_args = (budget, policy, profile, reads)
         self._use_store(store)
         return store
 
