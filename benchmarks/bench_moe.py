@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cfr_atlas.engine import load_model  # noqa: E402
 from cfr_atlas.generate import prefill  # noqa: E402
 from cfr_atlas.testing.tiny_moe import write_tiny_moe  # noqa: E402
+from moe_pressure import pressure_rows, pressure_table  # noqa: E402
 from page_cache import (  # noqa: E402
     disk_read_bytes,
     drop_file_cache,
@@ -96,6 +97,20 @@ def _args(argv):
                         "where a token's time is its reads; empty skips it): each decoded token "
                         "after the model file is dropped from the page cache, paired with a "
                         "sequential read and a scattered read of the same bytes")
+    p.add_argument("--cold-reads", default="cached,direct",
+                   help="how the cold decode table's stores read uncached experts (load_model's "
+                   "expert_reads), each a row per budget, in turn: cached (the page cache: "
+                   "read-ahead advice, then the mapped file) and direct (reader threads, "
+                   "O_DIRECT into staging buffers)")
+    p.add_argument("--pressure-budgets", default="min,25%",
+                   help="budgets of the memory-pressure table (empty skips it): decoding in a "
+                   "memory cgroup too small for the file, the two ways of reading alternating "
+                   "(moe_pressure.py; needs root, else the table says skipped)")
+    p.add_argument("--pressure-room", default=256, type=int, metavar="MIB",
+                   help="the cgroup's limit: MiB for all the decode allocates after entering "
+                   "it, page cache included (default 256)")
+    p.add_argument("--pressure-blocks", default=4, type=int,
+                   help="blocks per way of reading (default 4)")
     p.add_argument("--load-path", action="store_true",
                    help="only the expert-load table (codec vs one-pass repack, cold and warm)")
     p.add_argument("--quick", action="store_true", help="a tiny model, a few tokens (tests)")
@@ -106,6 +121,7 @@ def _args(argv):
     if a.quick:
         a.layers, a.experts, a.dim, a.ff, a.top_k = 2, 8, 64, 128, 2
         a.prompt_tokens, a.decode_tokens, a.ab_rounds = 12, 4, min(a.ab_rounds, 2)
+        a.pressure_blocks = min(a.pressure_blocks, 1)
     return a
 
 
@@ -172,7 +188,7 @@ def _run(model, ids, n_decode: int) -> dict:
             "digest": np.stack(rows).tobytes()}
 
 
-def _cold_tokens(model, path: Path, ids, a, spec: str, base: bytes) -> dict:
+def _cold_tokens(model, path: Path, ids, a, spec: str, base: bytes, reads: str) -> dict:
     """Cold decode, token by token, at budget `spec` (prefetcher off, as by default here).
     The prompt is prefilled with the whole file in the page cache; then before each of
     --decode-tokens decoded tokens the file is dropped from the page cache (and from our
@@ -184,9 +200,10 @@ def _cold_tokens(model, path: Path, ids, a, spec: str, base: bytes) -> dict:
     once and nothing computed (what this disk gives scattered reads of those sizes). The
     token's read rate is the store's bytes read over the token's wall time, its compute
     included. Medians over the tokens that read something, of each rate and of the two
-    per-token ratios; the logits of every token must equal the all-resident run's."""
+    per-token ratios; the logits of every token must equal the all-resident run's. `reads`:
+    the store's expert_reads (cached or direct)."""
     name, budget = _budget(spec, model)
-    store = model.net.set_experts(budget, a.policy)
+    store = model.net.set_experts(budget, a.policy, reads=reads)
     store.use_prefetch(False)
     keys, write = [], store.write
     store.write = lambda key, slot: keys.append(key) or write(key, slot)
@@ -219,14 +236,17 @@ def _cold_tokens(model, path: Path, ids, a, spec: str, base: bytes) -> dict:
         s.close()
         del store.write  # the class's method again
     exact = np.stack(rows).tobytes() == base
+    direct = store.source.reader is not None and store.source.reader.direct
+    reads = {"reads": reads + (" (O_DIRECT)" if direct else "")}
     if not per:
-        return {"budget": name, "tokens": 0, "exact": exact, "loadavg": os.getloadavg()[0]}
+        return {"budget": name, **reads, "tokens": 0, "exact": exact,
+                "loadavg": os.getloadavg()[0]}
     med = {k: float(np.median([p[k] for p in per])) for k in ("read", "seq", "scattered")}
     vs_seq = [p["read"] / p["seq"] for p in per]
     vs_scat = [p["read"] / p["scattered"] for p in per]
     disk = [p["disk"] for p in per if p["disk"] is not None]
-    return {"budget": name, "tokens": len(per), "read_mb": float(np.median([p["bytes"] for p
-                                                                            in per])) / 1e6,
+    return {"budget": name, **reads, "tokens": len(per),
+            "read_mb": float(np.median([p["bytes"] for p in per])) / 1e6,
             "disk_mb": float(np.median(disk)) / 1e6 if disk else None,
             "token_ms": float(np.median([p["seconds"] for p in per])) * 1e3, **med,
             "vs_seq": float(np.median(vs_seq)), "vs_seq_range": (min(vs_seq), max(vs_seq)),
@@ -235,18 +255,35 @@ def _cold_tokens(model, path: Path, ids, a, spec: str, base: bytes) -> dict:
             "loadavg": os.getloadavg()[0], "exact": exact}
 
 
+def _pressure(model, path: Path, ids, a, spec: str) -> list[dict]:
+    """The memory-pressure rows of budget `spec` (moe_pressure.py)."""
+    def reference(n):
+        model.net.set_experts(None)
+        return _run(model, ids, n)["digest"]
+
+    def make_store():
+        store = model.net.set_experts(_budget(spec, model)[1], a.policy, reads="cached")
+        store.use_prefetch(False)
+        return store
+
+    block = max(a.decode_tokens // 2, 3)
+    return pressure_rows(model, path, ids, make_store, a.pressure_room << 20, a.pressure_blocks,
+                         block, reference, lambda: _drop_cache(model, path))
+
+
 def _cold_table(rows) -> str:
-    out = ["| budget | tokens | read/token MB | disk read/token MB | token ms | read GB/s | "
-           "sequential GB/s | scattered GB/s | read / sequential (range) | "
-           "read / scattered (range) | load | exact |", "|---" * 12 + "|"]
+    out = ["| budget | reads | tokens | read/token MB | disk read/token MB | token ms | "
+           "read GB/s | sequential GB/s | scattered GB/s | read / sequential (range) | "
+           "read / scattered (range) | load | exact |", "|---" * 13 + "|"]
     for r in rows:
         if not r["tokens"]:
-            out.append(f"| {r['budget']} | 0 (every token's experts resident: nothing read) |"
-                       + " - |" * 9 + f" {r['loadavg']:.1f} | {'yes' if r['exact'] else 'NO'} |")
+            out.append(f"| {r['budget']} | {r['reads']} | 0 (every token's experts resident: "
+                       "nothing read) |" + " - |" * 8
+                       + f" {r['loadavg']:.1f} | {'yes' if r['exact'] else 'NO'} |")
             continue
         disk = "-" if r["disk_mb"] is None else f"{r['disk_mb']:.1f}"
-        out.append(f"| {r['budget']} | {r['tokens']} | {r['read_mb']:.1f} | {disk} | "
-                   f"{r['token_ms']:.1f}"
+        out.append(f"| {r['budget']} | {r['reads']} | {r['tokens']} | {r['read_mb']:.1f} | "
+                   f"{disk} | {r['token_ms']:.1f}"
                    f" | {r['read']:.2f} | {r['seq']:.2f} | {r['scattered']:.2f} | "
                    f"{r['vs_seq']:.2f} ({r['vs_seq_range'][0]:.2f}-{r['vs_seq_range'][1]:.2f})"
                    f" | {r['vs_scattered']:.2f} ({r['vs_scattered_range'][0]:.2f}-"
@@ -469,8 +506,11 @@ def main(argv=None) -> int:
                 for prefetch in (False, True):  # interleaved A/B, back to back
                     rows.append(_row(model, path, ids, a, name, budget, cache, prefetch, base,
                                      profile))
-        cold = [_cold_tokens(model, path, ids, a, spec, base)
-                for spec in a.cold_budgets.split(",") if spec]
+        cold = [_cold_tokens(model, path, ids, a, spec, base, reads)
+                for spec in a.cold_budgets.split(",") if spec
+                for reads in a.cold_reads.split(",") if reads]
+        pressure = [(spec, _pressure(model, path, ids, a, spec))
+                    for spec in a.pressure_budgets.split(",") if spec]
         loads = _load_path(model, path, a)
         del model
         ab = _warm_ab(a, path, ids, base) if a.ab_rounds else []
@@ -484,6 +524,11 @@ def main(argv=None) -> int:
               "token; each token followed by a sequential read of as many bytes and a "
               "scattered read of its own expert ranges; medians over the tokens):\n")
         print(_cold_table(cold))
+    if pressure:
+        print("\nDecode under memory pressure (in a memory cgroup too small for the file; "
+              "the ways of reading alternate in blocks of tokens; medians over the tokens):")
+        for spec, rows_ in pressure:
+            print("\n" + pressure_table(rows_, spec))
     print("\nExpert loads alone (one step of 8 random experts per layer, through the store), "
           "interleaved with sequential reads:\n")
     print(_load_table(loads))
@@ -495,7 +540,8 @@ def main(argv=None) -> int:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     if a.plot:
         _plot(rows, a.plot)
-    return 0 if all(r["exact"] for r in rows + ab + cold) else 1
+    pressed = [r for _, rows_ in pressure for r in rows_ if "exact" in r]
+    return 0 if all(r["exact"] for r in rows + ab + cold + pressed) else 1
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 What the process holds (/proc/self/status), whether a file's pages sit in the OS page cache
 (mincore on a fresh mapping), evicting a file from the page cache (fsync, then
 posix_fadvise DONTNEED: clean pages of a file nobody maps are dropped), and a plain sequential
-read of a file from disk, the bandwidth a cold page-file read is compared against. Nothing here
-knows about models or sessions.
+read of a file from disk, the bandwidth a cold page-file read is compared against; a memory
+cgroup to run in, so a file cannot stay cached (`MemoryCgroup`). Nothing here knows about models
+or sessions.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import ctypes
 import mmap
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -116,3 +118,63 @@ def scattered_read(path, ranges) -> dict:
     finally:
         os.close(fd)
     return {"bytes": total, "seconds": seconds, "gb_per_s": total / seconds / 1e9}
+
+
+class MemoryCgroup:
+    """A memory cgroup of `limit` bytes this process runs in while the `with` block lasts: the
+    page cache its reads fill after entering is charged to it, so a file larger than the limit
+    cannot stay cached (a machine or container too small for it). cgroup v1's memory controller
+    or v2's; needs the right to make cgroups (root). `why_not()` says why one cannot be made
+    here (None: it can). Charges made before entering stay where they were (v1 moves none)."""
+
+    def __init__(self, limit: int, name: str = "cfr-atlas-bench"):
+        self.limit, self.name, self.dir, self.home = limit, f"{name}-{os.getpid()}", None, None
+
+    @staticmethod
+    def _roots():
+        v1 = Path("/sys/fs/cgroup/memory")
+        if (v1 / "memory.limit_in_bytes").exists():
+            yield v1, "memory.limit_in_bytes"
+        v2 = Path("/sys/fs/cgroup")
+        if "memory" in _read(v2 / "cgroup.subtree_control").split():
+            yield v2, "memory.max"
+
+    @classmethod
+    def why_not(cls) -> str | None:
+        roots = list(cls._roots())
+        if not roots:
+            return "no cgroup memory controller"
+        if not os.access(roots[0][0], os.W_OK):
+            return f"{roots[0][0]} is not writable (not root)"
+        return None
+
+    def __enter__(self):
+        root, limit_file = next(self._roots())
+        self.dir = root / self.name
+        self.dir.mkdir()
+        (self.dir / limit_file).write_text(str(self.limit))
+        self.home = root
+        (self.dir / "cgroup.procs").write_text(str(os.getpid()))
+        return self
+
+    def peak(self) -> int | None:
+        for f in ("memory.max_usage_in_bytes", "memory.peak"):
+            if (self.dir / f).exists():
+                return int(_read(self.dir / f) or 0)
+        return None
+
+    def __exit__(self, *exc):
+        (self.home / "cgroup.procs").write_text(str(os.getpid()))
+        for _ in range(50):  # rmdir waits for the moved task to be accounted out
+            try:
+                self.dir.rmdir()
+                break
+            except OSError:
+                time.sleep(0.02)
+
+
+def _read(path) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""

@@ -1,7 +1,8 @@
 """benchmarks/bench_moe.py stays runnable: --quick writes a tiny skewed MoE file, runs every
 budget warm and cold with the prefetcher off and on, the cold decode token by token at the
-smallest budget, and the warm A/B of 50% against all
-resident; prints the tables and exits 0 only if every row is bitwise exact."""
+smallest budget (reads through the page cache and direct), the decode under memory pressure
+(or says why it was skipped), and the warm A/B of 50% against all resident; prints the tables
+and exits 0 only if every row is bitwise exact."""
 
 from __future__ import annotations
 
@@ -23,8 +24,12 @@ def test_quick_run_prints_table_and_every_row_is_exact(load_benchmark, tmp_path,
     full = rows[0]["pool_bytes"]
     assert all(r["pool_bytes"] <= full // 2 for r in rows[4:])
     assert rows[-1]["decode_read_per_token"] > 0  # the smallest pool reads while decoding
-    cold = out[out.index("Cold decode, token by token"):out.index("Expert loads alone")]
-    assert "| min (2 slots) | 4 |" in cold and "| NO |" not in cold  # exact, token by token
+    cold = out[out.index("Cold decode, token by token"):out.index("Decode under memory")]
+    assert "| min (2 slots) | cached | 4 |" in cold and "| NO |" not in cold  # token by token
+    assert "| min (2 slots) | direct" in cold
+    pressed = out[out.index("Decode under memory"):out.index("Expert loads alone")]
+    assert "(skipped: " in pressed or (
+        "| cached | " in pressed and "| direct | " in pressed and "| NO |" not in pressed)
     ab = out[out.index("interleaved A/B"):]
     assert "| 100% |" in ab and "| 50% |" in ab and "| NO |" not in ab
 
@@ -33,6 +38,6 @@ def test_a_cold_budget_that_reads_nothing_is_a_row_not_a_crash(load_benchmark, c
     """All resident, a token reads nothing: the cold table says so instead of dividing 0 by 0."""
     bench = load_benchmark("bench_moe")
     assert bench.main(["--quick", "--budgets", "100%", "--ab-rounds", "0",
-                       "--cold-budgets", "100%"]) == 0
+                       "--cold-budgets", "100%", "--pressure-budgets", ""]) == 0
     out = capsys.readouterr().out
-    assert "| 100% | 0 (every token's experts resident: nothing read) |" in out
+    assert "| 100% | cached | 0 (every token's experts resident: nothing read) |" in out
