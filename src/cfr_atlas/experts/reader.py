@@ -8,10 +8,11 @@ is smaller than the file), every page read through it is evicted again before it
 and the compute thread pays for both: the kernel allocating and inserting ~20,000 pages a 78 MB
 token, and reclaiming as many to make room. Here each of an expert's matrices is one O_DIRECT
 read (the disk writes into our buffer; no page is allocated or reclaimed) issued by one of
-THREADS threads, so a step's ranges are in flight together. In a 300 MiB cgroup, 661 MB file:
-1.4-1.5x the decode speed of reads through the page cache; with the whole file cached, or a
-page cache emptied before each token but free to refill, the two are even (docs/PERFORMANCE.md,
-"Session 42"), which is why "auto" reads directly only when the experts do not fit.
+THREADS threads, so a step's ranges are in flight together. bench_moe, int8, the smallest
+budget (docs/PERFORMANCE.md, "Session 42"): the file dropped from the page cache before each
+token, 58 ms a token against 85 through the page cache; in a memory cgroup too small for the
+file, 59 against 104. With the file cached the two are even, which is why "auto" reads
+directly only when the experts do not fit.
 
 Staging is a small cache of file bytes keyed by (layer, expert): `stage` starts the reads of
 an expert if a buffer can be had within `capacity` bytes (else it declines, and the caller
