@@ -266,7 +266,7 @@ def _pressure(model, path: Path, ids, a, spec: str) -> list[dict]:
         store.use_prefetch(False)
         return store
 
-    block = max(a.decode_tokens // 2, 3)
+    block = max(a.decode_tokens // 2, 4)
     return pressure_rows(model, path, ids, make_store, a.pressure_room << 20, a.pressure_blocks,
                          block, reference, lambda: _drop_cache(model, path))
 

@@ -9,8 +9,8 @@ machine (or in a container) too small for the model. The two ways of reading unc
 threads) alternate on one store and one greedy decode, in blocks of tokens, the order
 alternating. Each block starts from a dropped page cache: direct reads leave nothing cached, so
 a direct block would otherwise read what the cached block before it left in the page cache
-from memory (an early version did, and flattered direct reads ~1.5x). The first token of each
-block is not counted.
+from memory (an early version did, and flattered direct reads ~1.5x). The first WARM_TOKENS
+tokens of each block are not counted (the cached way's page cache fills meanwhile).
 A token's read rate is the store's bytes read over its wall time, compute included; the
 sequential read is page_cache.sequential_read of as many bytes from a dropped cache, outside the
 cgroup, before and after (median of those). The logits of the whole decode must equal the
@@ -28,6 +28,8 @@ from cfr_atlas.generate import prefill
 from page_cache import MemoryCgroup, sequential_read
 
 ARMS = ("cached", "direct")
+WARM_TOKENS = 3  # not counted at a block's start: the page cache (256 MiB room, ~78 MB a
+# token) takes about this many tokens to fill from a dropped cache
 
 
 def pressure_rows(model, path, ids, make_store, room: int, blocks: int, block_tokens: int,
@@ -57,7 +59,8 @@ def pressure_rows(model, path, ids, make_store, room: int, blocks: int, block_to
                 store.read_direct(3 * k if arm == "direct" else 0)
                 drop()  # the other way's page cache is not inherited (direct reads leave none)
                 for i in range(block_tokens):
-                    rows.append(_token(model, s, rows[-1], store, times[arm] if i else None))
+                    counted = times[arm] if i >= WARM_TOKENS else None
+                    rows.append(_token(model, s, rows[-1], store, counted))
         finally:
             s.close()
         peak = cg.peak()

@@ -125,7 +125,8 @@ class MemoryCgroup:
     page cache its reads fill after entering is charged to it, so a file larger than the limit
     cannot stay cached (a machine or container too small for it). cgroup v1's memory controller
     or v2's; needs the right to make cgroups (root). `why_not()` says why one cannot be made
-    here (None: it can). Charges made before entering stay where they were (v1 moves none)."""
+    here (None: it can). Charges made before entering stay where they were (v1 moves none).
+    On leaving, the process goes back to the cgroup it was in (and its limits)."""
 
     def __init__(self, limit: int, name: str = "cfr-atlas-bench"):
         self.limit, self.name, self.dir, self.home = limit, f"{name}-{os.getpid()}", None, None
@@ -153,9 +154,20 @@ class MemoryCgroup:
         self.dir = root / self.name
         self.dir.mkdir()
         (self.dir / limit_file).write_text(str(self.limit))
-        self.home = root
+        self.home = self._current(root)
         (self.dir / "cgroup.procs").write_text(str(os.getpid()))
         return self
+
+    @staticmethod
+    def _current(root: Path) -> Path:
+        """The cgroup this process is in now under `root` (where `__exit__` puts it back)."""
+        v2 = root == Path("/sys/fs/cgroup")
+        for line in _read("/proc/self/cgroup").splitlines():
+            _, controllers, path = line.split(":", 2)
+            if (controllers == "") if v2 else ("memory" in controllers.split(",")):
+                d = root / path.strip("/")
+                return d if d.is_dir() else root
+        return root
 
     def peak(self) -> int | None:
         for f in ("memory.max_usage_in_bytes", "memory.peak"):

@@ -41,8 +41,22 @@ def data_file(tmp_path_factory):
     return path, data
 
 
+BUF = 1 << 16  # a staging buffer: room for any ranges the tests stage
+
+
 def _ranges(draw_ranges):
     return [(off, min(n, SIZE - off)) for off, n in draw_ranges]
+
+
+def _take(r, key, timeout=10.0):
+    """r.take(key) on a thread: a regression that loses a read fails here instead of hanging
+    the suite."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(r.take(key)), daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"take({key!r}) still waiting after {timeout} s"
+    return out[0]
 
 
 @settings(max_examples=40, deadline=None)
@@ -51,13 +65,13 @@ def _ranges(draw_ranges):
 def test_staged_bytes_are_the_file_s_bytes_at_any_offset(data_file, drawn):
     path, data = data_file
     ranges = _ranges(drawn)
-    r = DirectReader(path, capacity=1 << 20)
+    r = DirectReader(path, 1 << 20, BUF)
     try:
         assert r.stage("k", ranges)
-        got = r.take("k")
+        got = _take(r, "k")
         assert [g.tobytes() for g in got] == [data[o:o + n].tobytes() for o, n in ranges]
         r.release("k")
-        assert r.counts.failed == 0 and r.counts.staged == 1
+        assert r.counts.failed == 0 and r.counts.staged == 1 and r.counts.taken == 1
     finally:
         r.close()
 
@@ -73,17 +87,17 @@ def test_staging_never_allocates_past_its_capacity(data_file):
     path, data = data_file
     one = [(100, 3000), (ALIGN + 5, 2 * ALIGN)]  # 4 KiB + 12 KiB of aligned spans
     size = 4 * ALIGN
-    r = DirectReader(path, capacity=3 * size)
+    r = DirectReader(path, 3 * size, size)
     try:
         for i in range(40):  # stage, take, release: buffers are reused, never added
             assert r.stage(i, one)
-            assert r.take(i)[1].tobytes() == data[ALIGN + 5:3 * ALIGN + 5].tobytes()
+            assert _take(r, i)[1].tobytes() == data[ALIGN + 5:3 * ALIGN + 5].tobytes()
             r.release(i)
         assert r.allocated == size and r.counts.peak_bytes == size
         staged = [k for k in range(100, 105) if r.stage(k, one)]  # staged, never taken
         assert staged == [100, 101, 102] and r.counts.declined == 2  # no staged key given up
         assert r.allocated <= r.capacity and r.counts.peak_bytes <= r.capacity
-        held = r.take(102)
+        held = _take(r, 102)
         _settle(r)  # a dropped buffer is reused once its reads end
         r.keep(lambda key: key == 101)  # 100 dropped; 102 is held, so it stays
         assert set(r.staged) == {101, 102} and held[0].tobytes() == data[100:3100].tobytes()
@@ -94,9 +108,29 @@ def test_staging_never_allocates_past_its_capacity(data_file):
         r.close()
 
 
+def test_experts_of_different_sizes_share_the_buffers(data_file):
+    """Layers whose experts differ in size (mixed formats) take any free buffer: one of the
+    largest size each, so none is ever too small and none sits idle for want of a size."""
+    path, _ = data_file
+    small, large = [(0, 100)], [(100, 3 * ALIGN), (5 * ALIGN, 1000)]
+    r = DirectReader(path, 2 * 6 * ALIGN, 6 * ALIGN)
+    try:
+        for i in range(30):
+            for key in ((i, "s"), (i, "l")):
+                assert r.stage(key, small if key[1] == "s" else large)
+            r.keep(lambda key, i=i: key[0] == i)
+            for key in ((i, "s"), (i, "l")):
+                assert _take(r, key) is not None
+                r.release(key)
+        assert r.counts.declined == 0 and r.allocated == 2 * 6 * ALIGN
+        assert not r.stage("huge", [(0, 7 * ALIGN)])  # larger than a buffer: not staged
+    finally:
+        r.close()
+
+
 def test_a_failed_read_hands_out_nothing_and_is_counted(data_file, monkeypatch):
     path, _ = data_file
-    r = DirectReader(path, capacity=1 << 20)
+    r = DirectReader(path, 1 << 20, BUF)
 
     def broken(fd, bufs, off):
         raise OSError(errno.EIO, "I/O error")
@@ -104,7 +138,7 @@ def test_a_failed_read_hands_out_nothing_and_is_counted(data_file, monkeypatch):
     monkeypatch.setattr(reader_mod.os, "preadv", broken)
     try:
         assert r.stage("k", [(10, 100)])
-        assert r.take("k") is None and r.counts.failed == 1
+        assert _take(r, "k") is None and r.counts.failed == 1
         assert "k" not in r.staged  # nothing pinned, its buffer free again
     finally:
         monkeypatch.undo()
@@ -115,7 +149,7 @@ def test_a_read_that_raises_anything_still_ends_and_a_closed_reader_stages_nothi
                                                                                    monkeypatch):
     """A reader thread never dies with a read in flight: `take` would wait forever."""
     path, _ = data_file
-    r = DirectReader(path, capacity=1 << 20)
+    r = DirectReader(path, 1 << 20, BUF)
 
     def odd(fd, bufs, off):
         raise TypeError("not an OSError")
@@ -123,7 +157,7 @@ def test_a_read_that_raises_anything_still_ends_and_a_closed_reader_stages_nothi
     monkeypatch.setattr(reader_mod.os, "preadv", odd)
     try:
         assert r.stage("k", [(10, 100)])
-        assert r.take("k") is None and r.counts.failed == 1
+        assert _take(r, "k") is None and r.counts.failed == 1
     finally:
         monkeypatch.undo()
         r.close()
@@ -131,21 +165,28 @@ def test_a_read_that_raises_anything_still_ends_and_a_closed_reader_stages_nothi
 
 
 def test_o_direct_refused_at_read_falls_back_to_plain_reads(data_file, monkeypatch):
+    """Every thread's read still returns its bytes, however slowly the plain descriptor
+    opens (threads that hit EINVAL meanwhile wait for it, once)."""
     path, data = data_file
-    r = DirectReader(path, capacity=1 << 20)
-    first_fd, real = r.fd, os.preadv
+    r = DirectReader(path, 1 << 20, BUF)
+    first_fd, real_read, real_open = r.fd, os.preadv, os.open
 
     def picky(fd, bufs, off):  # a filesystem that opens O_DIRECT but will not read so
         if fd == first_fd:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real(fd, bufs, off)
+        return real_read(fd, bufs, off)
+
+    def slow_open(*a):
+        time.sleep(0.02)
+        return real_open(*a)
 
     monkeypatch.setattr(reader_mod.os, "preadv", picky)
+    monkeypatch.setattr(reader_mod.os, "open", slow_open)
     try:
-        ranges = [(o, 777) for o in (0, 5000, 9000, 13000)]
+        ranges = [(o, 777) for o in (0, 3000, 5000, 7000, 9000, 11000, 13000, 15000)]
         assert all(r.stage(i, [rg]) for i, rg in enumerate(ranges))
         for i, (o, n) in enumerate(ranges):
-            assert r.take(i)[0].tobytes() == data[o:o + n].tobytes()
+            assert _take(r, i)[0].tobytes() == data[o:o + n].tobytes()
             r.release(i)
         assert not r.direct and r.counts.failed == 0
     finally:
@@ -163,39 +204,71 @@ def test_o_direct_refused_at_open_reads_plainly(data_file, monkeypatch):
         return real(p, flags, *a)
 
     monkeypatch.setattr(reader_mod.os, "open", no_direct)
-    r = DirectReader(path, capacity=1 << 20)
+    r = DirectReader(path, 1 << 20, BUF)
     monkeypatch.undo()
     try:
         assert not r.direct
         assert r.stage("k", [(SIZE - 50, 50)])  # the file's last bytes
-        assert r.take("k")[0].tobytes() == data[-50:].tobytes()
+        assert _take(r, "k")[0].tobytes() == data[-50:].tobytes()
     finally:
         r.close()
+
+
+def test_a_file_replaced_at_its_path_is_never_read(data_file, tmp_path):
+    """The staged bytes must be the mapped file's: a descriptor of another version of the
+    file is refused, and the store then reads through the page cache (a warning, no error)."""
+    path, _ = data_file
+    st = os.stat(path)
+    version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    DirectReader(path, 1 << 20, BUF, version).close()  # its own version: fine
+    with pytest.raises(reader_mod.FileChangedError):
+        DirectReader(path, 1 << 20, BUF, version[:3] + (version[3] + 1,))
+    from cfr_atlas.experts import ExpertSource
+    src = ExpertSource([], path=path, version=version[:3] + (version[3] + 1,))
+    src.layers = [()]  # staged_bytes needs a layer; none of its matrices is read here
+    src.staged_bytes = lambda: BUF
+    with pytest.warns(RuntimeWarning, match="changed since the model mapped it"):
+        assert not src.read_direct(4)
+    assert src.reader is None
 
 
 def test_idle_reader_threads_end_and_come_back_when_needed(data_file, monkeypatch):
     path, data = data_file
-    monkeypatch.setattr(reader_mod, "IDLE_SECONDS", 0.05)
-    r = DirectReader(path, capacity=1 << 20, threads=3)
+    monkeypatch.setattr(reader_mod, "IDLE_SECONDS", 0.3)
+    r = DirectReader(path, 1 << 20, BUF, threads=3)
     try:
-        assert r.stage("a", [(0, 10)]) and r.take("a")[0].tobytes() == data[:10].tobytes()
-        assert len(r._workers) == 3
+        assert r.stage("a", [(0, 10)]) and _take(r, "a")[0].tobytes() == data[:10].tobytes()
+        assert 1 <= len(r._workers) <= 3
         end = time.monotonic() + 10
         while r._workers:  # no read for IDLE_SECONDS: every thread ends
             assert time.monotonic() < end
             time.sleep(0.01)
-        assert r.stage("b", [(SIZE - 10, 10)]) and r.take("b")[0].tobytes() == data[-10:].tobytes()
+        assert r.stage("b", [(SIZE - 10, 10)])
+        assert _take(r, "b")[0].tobytes() == data[-10:].tobytes()
     finally:
         r.close()
 
 
-def test_close_leaves_no_reader_thread(data_file):
+def test_close_ends_the_reader_s_threads_and_staging_after_it_declines(data_file):
     path, _ = data_file
-    r = DirectReader(path, capacity=1 << 20)
+    r = DirectReader(path, 1 << 20, BUF)
     assert r.stage("k", [(0, 10)])
-    r.take("k")
+    _take(r, "k")
+    workers = list(r._workers)
     r.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith("cfr-expert-read")]
+    assert workers and not any(t.is_alive() for t in workers)
+    assert not r.stage("j", [(0, 10)]) and r._workers == []
+
+
+def test_a_forked_child_stages_nothing(data_file, monkeypatch):
+    path, _ = data_file
+    r = DirectReader(path, 1 << 20, BUF)
+    try:
+        monkeypatch.setattr(reader_mod.os, "getpid", lambda: -1)  # as in a forked child
+        assert not r.stage("k", [(0, 10)]) and not r.staged
+    finally:
+        monkeypatch.undo()
+        r.close()
 
 
 @pytest.fixture
@@ -220,6 +293,7 @@ def test_logits_with_direct_reads_equal_the_all_resident_run(moe_file, matmul, c
         assert model.last_telemetry["logits_sha256"] == decode
         t = store.telemetry.summary()
         assert t["expert_direct_staged"] > 0 and t["expert_direct_failed"] == 0
+        assert t["expert_direct_taken"] > 0  # staged bytes were what the slots were filled from
         assert 0 < t["expert_direct_peak_bytes"] <= store.source.reader.capacity
         assert store.source.reader.capacity == 3 * k * store.source.staged_bytes()
         assert store.pool.nbytes == t["expert_pool_bytes"] <= slots_ * store.slot_bytes
@@ -282,12 +356,23 @@ def _fake_cgroup(tmp_path, monkeypatch, proc: str, files: dict) -> None:
 
 
 def test_available_memory_is_a_v1_memory_cgroup_s_limit_less_its_usage(tmp_path, monkeypatch):
+    """Usage without the reclaimable page cache (active or inactive; shared memory is not
+    reclaimable), and the lowest of the cgroup's and its parents' limits."""
     mib = 1 << 20
-    _fake_cgroup(tmp_path, monkeypatch, "4:memory:/box\n1:cpu:/\n", {
-        "memory/box/memory.limit_in_bytes": f"{300 * mib}\n",
-        "memory/box/memory.usage_in_bytes": f"{250 * mib}\n",
-        "memory/box/memory.stat": f"cache 1\ntotal_inactive_file {100 * mib}\n"})
+    _fake_cgroup(tmp_path, monkeypatch, "4:memory:/box/inner\n1:cpu:/\n", {
+        "memory/box/inner/memory.limit_in_bytes": f"{300 * mib}\n",
+        "memory/box/inner/memory.usage_in_bytes": f"{250 * mib}\n",
+        "memory/box/inner/memory.stat":
+            f"cache 1\ntotal_cache {120 * mib}\ntotal_shmem {20 * mib}\n"
+            f"total_active_file {90 * mib}\ntotal_inactive_file {10 * mib}\n",
+        "memory/memory.limit_in_bytes": "9223372036854771712\n",
+        "memory/memory.usage_in_bytes": f"{400 * mib}\n", "memory/memory.stat": ""})
     assert expert_memory.available_memory() == (300 - 250 + 100) * mib
+    (tmp_path / "cgroup/memory/box").mkdir(exist_ok=True)
+    (tmp_path / "cgroup/memory/box/memory.limit_in_bytes").write_text(f"{200 * mib}\n")
+    (tmp_path / "cgroup/memory/box/memory.usage_in_bytes").write_text(f"{180 * mib}\n")
+    (tmp_path / "cgroup/memory/box/memory.stat").write_text("total_cache 0\n")
+    assert expert_memory.available_memory() == 20 * mib  # the parent's limit is lower
 
 
 def test_available_memory_reads_v2_and_ignores_an_unlimited_cgroup(tmp_path, monkeypatch):
@@ -295,5 +380,16 @@ def test_available_memory_reads_v2_and_ignores_an_unlimited_cgroup(tmp_path, mon
         "box/memory.max": "max\n", "box/memory.current": "5\n", "box/memory.stat": ""})
     assert expert_memory.available_memory() == 10**12
     (tmp_path / "cgroup/box/memory.max").write_text("1000\n")
-    (tmp_path / "cgroup/box/memory.stat").write_text("anon 5\ninactive_file 3\n")
-    assert expert_memory.available_memory() == 1000 - (5 - 3)
+    (tmp_path / "cgroup/box/memory.stat").write_text("anon 5\nfile 3\nshmem 1\n")
+    assert expert_memory.available_memory() == 1000 - (5 - (3 - 1))
+    (tmp_path / "cgroup/box/memory.max").write_text("")  # an empty file: no limit read
+    assert expert_memory.available_memory() == 10**12
+
+
+def test_a_cgroup_path_not_under_the_mount_is_read_at_its_root(tmp_path, monkeypatch):
+    """A container without its own cgroup namespace sees the host's path; its own cgroup is
+    the mount's root."""
+    _fake_cgroup(tmp_path, monkeypatch, "4:memory:/docker/abc123\n", {
+        "memory/memory.limit_in_bytes": "1000\n", "memory/memory.usage_in_bytes": "600\n",
+        "memory/memory.stat": "total_cache 100\ntotal_shmem 0\n"})
+    assert expert_memory.available_memory() == 1000 - (600 - 100)

@@ -45,7 +45,7 @@ def test_serve_passes_the_prefix_cache_options_to_load_model(monkeypatch, tmp_pa
                      "2GiB"]) == 0
     assert seen == {"prefix_cache": str(tmp_path), "prefix_cache_bytes": "2GiB", "matmul": "float",
                     "prefix_store": None, "prefix_store_ttl": None, "expert_budget": None,
-                    "expert_policy": "lru"}
+                    "expert_policy": "lru", "expert_reads": "auto"}
 
 
 def test_serve_accepts_a_percentage_budget(monkeypatch, tiny_llama, tmp_path):

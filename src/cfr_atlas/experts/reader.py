@@ -24,8 +24,10 @@ bytes are the file's bytes (the file does not change), so which path an expert t
 bit of a slot. A failed read makes `take` return None (the caller reads the mapped bytes) and
 is counted. O_DIRECT needs offsets, lengths and buffers aligned to the device's block: each
 range is read from its 4 KiB boundary below to the one above (at most 8 KiB more a matrix)
-into a 4 KiB-aligned part of the buffer. A filesystem that refuses O_DIRECT (tmpfs) gets plain
-reads into the same buffers (`direct` False): the threads and the queue depth stay.
+into a 4 KiB-aligned part of the buffer. A filesystem that refuses O_DIRECT (tmpfs before
+Linux 6.6) gets plain reads into the same buffers (`direct` False): the threads and the queue
+depth stay. Every descriptor is checked to be the version of the file the caller maps (a file
+replaced at the same path would otherwise give other bytes). A forked child stages nothing.
 Not here: which experts to stage (source.py, store.py), the repack (slots.py).
 """
 
@@ -61,6 +63,7 @@ class ReaderCounts:
     bytes_read: int = 0  # bytes the reader's reads returned (aligned spans)
     declined: int = 0  # stage requests refused for want of a buffer (read via the page cache)
     failed: int = 0  # takes whose reads failed (the caller read the mapped bytes)
+    taken: int = 0  # takes that handed out staged bytes
     peak_bytes: int = 0  # most staging bytes allocated at once
 
 
@@ -76,20 +79,33 @@ def _spans(ranges) -> list[tuple[int, int, int]]:
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
-    """nbytes of zeroed memory starting on an ALIGN boundary (touched now, not at the read)."""
-    raw = np.zeros(nbytes + ALIGN, dtype=np.uint8)
+    """nbytes starting on an ALIGN boundary, zeroed by writing them (so their pages exist
+    before the first read, not faulted in by it)."""
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
     start = -raw.ctypes.data % ALIGN
-    return raw[start:start + nbytes]
+    out = raw[start:start + nbytes]
+    out.fill(0)
+    return out
 
 
 class DirectReader:
-    def __init__(self, path, capacity: int, threads: int = THREADS):
-        self.path, self.capacity, self.threads = os.fspath(path), int(capacity), threads
-        self.fd, self.direct = _open(self.path)
+    """path: the file; capacity: staging bytes at most, in buffers of `buffer_bytes` each (one
+    expert's ranges, rounded out: every buffer fits every expert, so any free one will do);
+    version: (st_dev, st_ino, st_size, st_mtime_ns) of the file the caller maps. A descriptor
+    whose file is not that version is refused (FileChangedError at construction; a failed
+    read later): the staged bytes must be the mapped bytes."""
+
+    def __init__(self, path, capacity: int, buffer_bytes: int, version: tuple | None = None,
+                 threads: int = THREADS):
+        self.path, self.threads, self.version = os.fspath(path), threads, version
+        self.buffer_bytes = int(buffer_bytes)
+        self.capacity = int(capacity) // self.buffer_bytes * self.buffer_bytes
+        self.fd, self.direct = _open(self.path, version)
         self._old_fds: list[int] = []  # O_DIRECT descriptors replaced after EINVAL (closed last)
         self.lock = threading.Lock()
+        self.closed = False
         self.staged: dict = {}  # key -> _Staged (taken or not)
-        self.free: dict[int, list[np.ndarray]] = {}  # buffer size -> buffers ready for reuse
+        self.free: list[np.ndarray] = []  # buffers ready for reuse
         self.allocated = 0  # bytes of every buffer (staged or free)
         self.counts = ReaderCounts()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (staged, dst, offset, need)
@@ -98,24 +114,29 @@ class DirectReader:
 
     def stage(self, key, ranges) -> bool:
         """Start reading `ranges` ((file offset, length) each) for `key` unless already staged;
-        False when no buffer fits in the capacity (nothing started)."""
+        False when no buffer fits in the capacity, the ranges do not fit a buffer, the reader
+        is closed or this is a forked child (nothing started; the caller reads the mapping)."""
         spans = _spans(ranges)
         size = spans[-1][1] + spans[-1][2]
         with self.lock:
             if key in self.staged:
                 return True
-            if self.fd is None:  # closed
+            if self.closed or self._pid != os.getpid() or size > self.buffer_bytes:
                 return False
-            buf = self._buffer(size)
+            buf = self._buffer()
             if buf is None:
                 self.counts.declined += 1
+                return False
+            try:
+                self._start()
+            except RuntimeError:  # no thread could be started: read through the mapping
+                self.free.append(buf)
                 return False
             views = [buf[pos + off - lo:pos + off - lo + n]
                      for (off, n), (lo, _, pos) in zip(ranges, spans, strict=True)]
             s = self.staged[key] = _Staged(buf, views, len(spans))
             s.ended.acquire()
             self.counts.staged += 1
-            self._start()
             for (off, n), (lo, span, pos) in zip(ranges, spans, strict=True):
                 self._jobs.put((s, buf[pos:pos + span], lo, off - lo + n))
         return True
@@ -135,6 +156,8 @@ class DirectReader:
                 self.counts.failed += 1
             self.release(key)
             return None
+        with self.lock:
+            self.counts.taken += 1
         return s.views
 
     def release(self, key) -> None:
@@ -156,51 +179,51 @@ class DirectReader:
                 self._drop(key)
 
     def close(self) -> None:
-        """Stop the threads (their reads in flight end first) and close the file."""
+        """Stop the threads (reads queued before end first) and close the file. Staging after
+        this declines."""
         with self.lock:
+            self.closed = True
             workers = list(self._workers)
             for _ in workers:
                 self._jobs.put(None)
         for t in workers:
             t.join()
-        for fd in [self.fd, *self._old_fds]:
-            if fd is not None:
-                os.close(fd)
-        self.fd, self._old_fds = None, []
-        self.staged.clear()
-        self.free.clear()
-        self.allocated = 0
+        with self.lock:
+            for fd in [self.fd, *self._old_fds]:
+                if fd is not None:
+                    os.close(fd)
+            self.fd, self._old_fds = None, []
+            self.staged.clear()
+            self.free.clear()
+            self.allocated = 0
 
     def _drop(self, key) -> None:
         """(lock held) `key` is no longer staged; its buffer is free once its reads end."""
         s = self.staged.pop(key)
         s.dropped = True
         if s.left == 0:
-            self.free.setdefault(s.buf.nbytes, []).append(s.buf)
+            self.free.append(s.buf)
 
-    def _buffer(self, size: int) -> np.ndarray | None:
-        """(lock held) A free buffer of `size` bytes or a new one within the capacity; else
-        None."""
-        if self.free.get(size):
-            return self.free[size].pop()
-        if self.allocated + size <= self.capacity:
-            self.allocated += size
+    def _buffer(self) -> np.ndarray | None:
+        """(lock held) A free buffer or a new one within the capacity; else None."""
+        if self.free:
+            return self.free.pop()
+        if self.allocated + self.buffer_bytes <= self.capacity:
+            self.allocated += self.buffer_bytes
             self.counts.peak_bytes = max(self.counts.peak_bytes, self.allocated)
-            return aligned_empty(size)
+            return aligned_empty(self.buffer_bytes)
         return None
 
     def _start(self) -> None:
-        """(lock held) Reader threads up to `threads` (again in a forked child, which has
-        none). A thread ends after IDLE_SECONDS without a read, so a reader nobody closes
-        leaves no thread behind; it decides so under the lock, and reads are queued under it,
-        so a queued read always has a thread."""
-        if self._pid != os.getpid():
-            self._pid, self._workers, self._jobs = os.getpid(), [], queue.SimpleQueue()
+        """(lock held) Reader threads up to `threads`. A thread ends after IDLE_SECONDS
+        without a read, so a reader nobody closes leaves no thread behind; it decides so under
+        the lock, and reads are queued under it, so a queued read always has a thread. A
+        thread is counted once it has started."""
         while len(self._workers) < self.threads:
             t = threading.Thread(target=self._work, name=f"cfr-expert-read-{len(self._workers)}",
                                  daemon=True)
-            self._workers.append(t)
             t.start()
+            self._workers.append(t)
 
     def _work(self) -> None:
         """A reader thread: one read at a time off the queue until told to stop (None) or
@@ -212,17 +235,17 @@ class DirectReader:
             except queue.Empty:
                 with self.lock:
                     if self._jobs.empty():
-                        self._workers.remove(me)
+                        self._forget(me)
                         return
                 continue
             if job is None:
                 with self.lock:
-                    self._workers.remove(me)
+                    self._forget(me)
                 return
             s, dst, offset, need = job
             try:
                 got = self._read(dst, offset, need)
-            except Exception:  # (a closed reader's fd, ...): a failed read, never a lost one
+            except Exception:  # never a lost read: its taker would wait forever
                 got = 0
             with self.lock:
                 self.counts.bytes_read += got
@@ -231,40 +254,64 @@ class DirectReader:
                 if s.left == 0:
                     s.ended.release()
                     if s.dropped:
-                        self.free.setdefault(s.buf.nbytes, []).append(s.buf)
+                        self.free.append(s.buf)
+
+    def _forget(self, me) -> None:
+        """(lock held) A thread that ends leaves the list (it may end before being listed)."""
+        if me in self._workers:
+            self._workers.remove(me)
 
     def _read(self, dst: np.ndarray, offset: int, need: int) -> int:
-        """One aligned read into dst -> the bytes it returned (short of `need`: failed)."""
-        got, fd = 0, self.fd
-        try:
-            while got < need:
-                k = os.preadv(fd, [memoryview(dst)[got:]], offset + got)
-                if k <= 0:
-                    break
-                got += k
-        except OSError as e:
-            if e.errno != errno.EINVAL or fd not in self._old_fds and not self._plain(fd):
-                return 0
-            return self._read(dst, offset, need)  # again, without O_DIRECT
-        return got
+        """One aligned read into dst -> the bytes it returned (short of `need`: failed). After
+        EINVAL under O_DIRECT the read is tried once more on the plain descriptor."""
+        for _ in range(2):
+            fd, got = self.fd, 0
+            try:
+                while got < need:
+                    k = os.preadv(fd, [memoryview(dst)[got:]], offset + got)
+                    if k <= 0:
+                        break
+                    got += k
+                return got
+            except OSError as e:
+                if e.errno != errno.EINVAL or self._plain(fd) == fd:
+                    return 0
+        return 0
 
-    def _plain(self, fd: int) -> bool:
-        """After EINVAL from `fd` under O_DIRECT (a device or filesystem that opened but will
-        not read so): plain reads from now on. False when `fd` was a plain one already."""
+    def _plain(self, fd: int) -> int:
+        """After EINVAL from `fd` (a device or filesystem that opened O_DIRECT but will not
+        read so): the descriptor to read with now, a plain one (opened once, by the first
+        thread to get here; `fd` itself when it was plain already or none can be had)."""
         with self.lock:
-            if not self.direct or fd != self.fd:
-                return fd in self._old_fds
+            if fd != self.fd or not self.direct:
+                return self.fd if fd != self.fd else fd
+            try:
+                new = _open(self.path, self.version, direct=False)[0]
+            except OSError:
+                return fd
             self._old_fds.append(self.fd)
-            self.fd, self.direct = os.open(self.path, os.O_RDONLY), False
-            return True
+            self.fd, self.direct = new, False
+            return new
 
 
-def _open(path: str) -> tuple[int, bool]:
-    """The file opened for O_DIRECT reads where the filesystem allows it (True), else plainly."""
-    flag = getattr(os, "O_DIRECT", 0)
+class FileChangedError(OSError):
+    """The file at the path is not the version the caller maps."""
+
+
+def _open(path: str, version: tuple | None, direct: bool = True) -> tuple[int, bool]:
+    """The file opened for O_DIRECT reads where the filesystem allows it (True), else plainly;
+    FileChangedError if it is not `version`."""
+    flag = getattr(os, "O_DIRECT", 0) if direct else 0
+    fd, got = None, False
     if flag:
         try:
-            return os.open(path, os.O_RDONLY | flag), True
+            fd, got = os.open(path, os.O_RDONLY | flag), True
         except OSError:
             pass
-    return os.open(path, os.O_RDONLY), False
+    if fd is None:
+        fd = os.open(path, os.O_RDONLY)
+    st = os.fstat(fd)
+    if version is not None and (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != version:
+        os.close(fd)
+        raise FileChangedError(f"{path} has changed since the model mapped it")
+    return fd, got

@@ -10,6 +10,7 @@ This module reads arrays it is handed; it does not open files or know tensor nam
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
@@ -62,8 +63,10 @@ class ExpertSource:
     """Per layer (gate, up, down) ExpertMatrix; experts of a layer share shapes and formats."""
 
     def __init__(self, layers: list[tuple[ExpertMatrix, ExpertMatrix, ExpertMatrix]],
-                 arithmetic: str = "float", path: str | os.PathLike | None = None):
+                 arithmetic: str = "float", path: str | os.PathLike | None = None,
+                 version: tuple | None = None):
         self.layers, self.arithmetic, self.path = layers, arithmetic, path
+        self.version = version  # (st_dev, st_ino, st_size, st_mtime_ns) of the mapped file
         self._fd: int | None = None
         self.reader: DirectReader | None = None  # `read_direct`: uncached experts off the disk
         self._warm: dict[tuple[int, int], int] = {}  # (layer, matrix) -> asks left unlooked
@@ -140,17 +143,25 @@ class ExpertSource:
         pages = resident_pages(m.address(e), m.data[0].nbytes)
         return pages is not None and bool(pages.all())
 
-    def read_direct(self, experts: int) -> None:
+    def read_direct(self, experts: int) -> bool:
         """Read uncached experts off the disk (O_DIRECT where the filesystem allows) into
-        staging buffers for at most `experts` experts of the largest layer; 0 switches it off
-        (reads through the page cache). Staging is outside the expert budget: its bytes are
-        `reader.allocated` (at most `experts` x an expert's file bytes, each matrix rounded out
-        to 4 KiB). The bytes read are the file's: nothing computed changes."""
+        staging buffers for at most `experts` experts; 0 switches it off (reads through the
+        page cache). Staging is outside the expert budget: its bytes are `reader.allocated`
+        (at most `experts` x `staged_bytes()`). The bytes read are the file's, from a
+        descriptor checked to be the mapped version of it: nothing computed changes. -> on?
+        (Off, with a warning, when the file cannot be opened or has changed since it was
+        mapped.)"""
         if self.reader is not None:
             self.reader.close()
             self.reader = None
         if experts > 0 and self.path is not None:
-            self.reader = DirectReader(self.path, experts * self.staged_bytes())
+            try:
+                self.reader = DirectReader(self.path, experts * self.staged_bytes(),
+                                           self.staged_bytes(), self.version)
+            except OSError as e:
+                warnings.warn(f"expert reads stay on the page cache: {e}", RuntimeWarning,
+                              stacklevel=2)
+        return self.reader is not None
 
     def staged_bytes(self) -> int:
         """Staging bytes of the largest layer's expert: each matrix's range rounded out to
@@ -163,8 +174,8 @@ class ExpertSource:
         """Expert e's (gate, up, down) bytes as `raw(e)` gives them (shape, dtype): the staged
         copy when the reader has one (waiting for its reads; its buffer held until the block
         ends), else the mapped file."""
-        mats = self.layers[layer]
-        got = None if self.reader is None else self.reader.take((layer, e))
+        mats, reader = self.layers[layer], self.reader
+        got = None if reader is None else reader.take((layer, e))
         if got is None:
             yield [m.raw(e) for m in mats]
             return
@@ -172,7 +183,7 @@ class ExpertSource:
             yield [v.view(m.data.dtype).reshape(m.data.shape[1:])
                    for v, m in zip(got, mats, strict=True)]
         finally:
-            self.reader.release((layer, e))
+            reader.release((layer, e))
 
     def cached(self, layer: int) -> bool:
         """Whether every expert byte of `layer` is in the OS page cache (so nothing of it is

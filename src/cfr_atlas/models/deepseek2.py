@@ -248,7 +248,7 @@ def expert_store(gf: GGUFFile, c: DeepSeek2Config, matmul: str) -> ExpertStore |
     if not c.n_experts:
         return None
     layers = [expert_matrices(gf, i, c.dim) for i in range(c.n_dense_lead, c.n_layers)]
-    source = ExpertSource(layers, matmul, gf.path)
+    source = ExpertSource(layers, matmul, gf.path, gf.version())
     if source.n_experts != c.n_experts:
         raise ModelFormatError(f"{gf.path.name}: expert tensors hold {source.n_experts} "
                                f"experts, metadata {ARCH}.expert_count says {c.n_experts}")

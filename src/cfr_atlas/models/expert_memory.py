@@ -47,6 +47,8 @@ def parse_expert_budget(value) -> int | float | None:
 def expert_options(gf, budget, policy: str, profile, reads: str = "auto") -> dict:
     """Keyword arguments for load_net: empty for a default load (nothing to pass on), so
     dense families never see them."""
+    if reads not in EXPERT_READS:
+        raise ConfigError("expert_reads", f"{reads!r} is not one of {list(EXPERT_READS)}")
     if budget is None and policy == "lru" and profile is None and reads == "auto":
         return {}
     return {"expert_budget": parse_expert_budget(budget), "expert_policy": policy,
@@ -57,37 +59,56 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 def available_memory() -> int:
-    """Bytes this process can still take: psutil's available memory, or less when its memory
-    cgroup (v1 or v2) has a limit: the limit less the usage, the usage without the inactive
-    page cache the kernel reclaims first (as `docker stats` counts). A container's limit is
-    what the OOM killer enforces, and psutil reports the host's memory."""
+    """Bytes this process can still take: psutil's available memory, or less when a memory
+    cgroup (v1 or v2) it is in, or any of that cgroup's parents, has a limit: the limit less
+    the usage, the usage without the page cache the kernel can reclaim (file pages, shared
+    memory aside), as psutil counts reclaimable cache as available. A container's limit is
+    what the OOM killer enforces, and psutil reports the host's memory. A cgroup path from
+    /proc/self/cgroup that is not under the mount (a container without its own cgroup
+    namespace sees the host's path) is read at the mount's root, the container's cgroup."""
     left = int(psutil.virtual_memory().available)
     for limit, usage, stat in _cgroup_files():
         try:
             cap = int(limit.read_text().split()[0])
             used = int(usage.read_text().split()[0])
-            fields = dict(line.split() for line in stat.read_text().splitlines())
-        except (OSError, ValueError):  # no such cgroup file, or "max": no limit there
+            fields = dict(line.split()[:2] for line in stat.read_text().splitlines()
+                          if len(line.split()) >= 2)
+        except (OSError, ValueError, IndexError):  # no such file, empty, or "max": no limit
             continue
-        used -= int(fields.get("total_inactive_file", fields.get("inactive_file", 0)))
-        left = min(left, max(cap - used, 0))
+        v1 = "total_cache" in fields
+        cache = int(fields.get("total_cache" if v1 else "file", 0))
+        shmem = int(fields.get("total_shmem" if v1 else "shmem", 0))
+        left = min(left, max(cap - (used - max(cache - shmem, 0)), 0))
     return left
 
 
 def _cgroup_files():
-    """(limit, usage, stat) files of this process's memory cgroups, from /proc/self/cgroup."""
+    """(limit, usage, stat) files of each memory cgroup this process is in, and of their
+    parents, from /proc/self/cgroup."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
         if controllers == "":  # v2's unified hierarchy
-            d = CGROUP_ROOT / path.lstrip("/")
-            yield d / "memory.max", d / "memory.current", d / "memory.stat"
+            root, names = CGROUP_ROOT, ("memory.max", "memory.current", "memory.stat")
         elif "memory" in controllers.split(","):
-            d = CGROUP_ROOT / "memory" / path.lstrip("/")
-            yield d / "memory.limit_in_bytes", d / "memory.usage_in_bytes", d / "memory.stat"
+            root = CGROUP_ROOT / "memory"
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat")
+        else:
+            continue
+        d = root / path.strip("/")
+        if not d.is_dir():  # the host's path seen from a container: the mount's root is ours
+            d = root
+        while True:
+            yield tuple(d / n for n in names)
+            if d == root:
+                break
+            d = d.parent
 
 
 def resident_estimate(gf) -> int:
@@ -108,10 +129,11 @@ def check_host_memory(gf, pool_bytes: int, budget) -> None:
             f"{'all experts' if budget is None else budget}) or free memory")
 
 
-def direct_reads(gf, store: ExpertStore, reads: str) -> bool:
+def direct_reads(gf, store: ExpertStore, reads: str, later: int = 0) -> bool:
     """Whether `store` reads uncached experts off the disk, bypassing the page cache. "auto":
     when the pool is bounded and the experts' file bytes exceed the memory left once the pool
-    is full (`available_memory` less the pool): then the page cache cannot keep them,
+    is full (`available_memory` less the pool, and less `later`: bytes about to be allocated,
+    the resident weights at load): then the page cache cannot keep them,
     each expert read through it would be evicted again unused, and the kernel's page-cache
     work is all cost. Otherwise the page cache is a second tier of experts at memory speed,
     and "auto" keeps it."""
@@ -120,12 +142,12 @@ def direct_reads(gf, store: ExpertStore, reads: str) -> bool:
     if reads != "auto":
         return reads == "direct"
     on_disk = sum(int(t.n_bytes) for name, t in gf.tensors.items() if "_exps." in name)
-    left = available_memory() - store.pool.nbytes
+    left = available_memory() - store.pool.nbytes - later
     return store.bounded and on_disk > left
 
 
 def build_store(gf, cfg, matmul: str, budget, policy: str, profile: dict | None,
-                reads: str = "auto") -> ExpertStore | None:
+                reads: str = "auto", later: int = 0) -> ExpertStore | None:
     """The expert store of an MoE model (None for a dense one): every expert resident when
     `budget` is None, else a pool of at most `budget` bytes (or that share of all experts)
     evicting by `policy`, reading uncached experts as `reads` says (`direct_reads`; direct
@@ -144,7 +166,7 @@ def build_store(gf, cfg, matmul: str, budget, policy: str, profile: dict | None,
     source = expert_source(gf, cfg, matmul)
     store = ExpertStore(source, budget, POLICIES["lru"](),
                         before_alloc=lambda n: check_host_memory(gf, n, budget))
-    if direct_reads(gf, store, reads):
+    if direct_reads(gf, store, reads, later):
         store.read_direct(3 * max(cfg.n_experts_used, 1))
     if policy == "pinned":  # pin all but one layer's top-k worth of slots
         store.policy = POLICIES[policy](profile or {}, max(store.n_slots - cfg.n_experts_used, 0))

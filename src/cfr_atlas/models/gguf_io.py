@@ -276,6 +276,11 @@ class GGUFFile:
             return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1)
         return np.array(t.data, dtype=np.float32).reshape(-1)
 
+    def version(self) -> tuple:
+        """(st_dev, st_ino, st_size, st_mtime_ns) of the file version the reader maps: what a
+        second descriptor opened by path must match to read the same bytes."""
+        return _version(self._stat)
+
     def identity(self) -> str:
         """Content identity: hex SHA-256 of every byte of the file (header, metadata, all
         tensors) as mapped by this reader, memoized per file version (file_identity.py). Two

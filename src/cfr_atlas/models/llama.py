@@ -28,7 +28,7 @@ import numpy as np
 from cfr_atlas.errors import ConfigError, ModelFormatError, UnsupportedArchitectureError
 from cfr_atlas.models.batch import BatchItem, batched_forward, forward_layers
 from cfr_atlas.models.decode import DecodeLayer, DecodeStep, parts
-from cfr_atlas.models.expert_memory import build_store, parse_expert_budget
+from cfr_atlas.models.expert_memory import build_store, parse_expert_budget, resident_estimate
 from cfr_atlas.models.gguf_io import GGUFFile
 from cfr_atlas.models.moe import NORM_TOPK, DenseFfn, MoeFfn, link_layers
 from cfr_atlas.models.recompute import kv_head_weights
@@ -327,7 +327,9 @@ class LlamaModel:
         self.matmul = check_arithmetic(matmul)
         self._gf = gf
         self._expert_args = (expert_budget, expert_policy, routing_profile, expert_reads)
-        self.experts = build_store(gf, self.config, matmul, *self._expert_args)
+        # the resident weights are allocated after the store: "auto" reads count them
+        self.experts = build_store(gf, self.config, matmul, *self._expert_args,
+                                   later=resident_estimate(gf))
         self.weights = LlamaWeights(gf, self.config, matmul, self.experts)
         c = self.config
         self.rope_freqs = rope_freqs(c.rope_dims, theta=c.rope_theta,

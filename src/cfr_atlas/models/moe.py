@@ -156,7 +156,7 @@ def expert_matrices(gf, layer: int, dim: int) -> tuple[ExpertMatrix, ...]:
 
 def expert_source(gf, cfg, matmul: str) -> ExpertSource:
     src = ExpertSource([expert_matrices(gf, i, cfg.dim) for i in range(cfg.n_layers)], matmul,
-                       gf.path)
+                       gf.path, gf.version())
     if src.n_experts != cfg.n_experts:
         raise ModelFormatError(f"{gf.path.name}: expert tensors hold {src.n_experts} experts, "
                                f"metadata {cfg.arch}.expert_count says {cfg.n_experts}")
