@@ -10,9 +10,9 @@ token, and reclaiming as many to make room. Here each of an expert's matrices is
 read (the disk writes into our buffer; no page is allocated or reclaimed) issued by one of
 THREADS threads, so a step's ranges are in flight together. bench_moe, int8, the smallest
 budget (docs/PERFORMANCE.md, "Session 42"): the file dropped from the page cache before each
-token, 58 ms a token against 85 through the page cache; in a memory cgroup too small for the
-file, 59 against 104. With the file cached the two are even, which is why "auto" reads
-directly only when the experts do not fit.
+token, 57-58 ms a token against 85 through the page cache; in a memory cgroup too small for
+the file, 59-60 against 76-104 (two runs). With the file cached the page cache is memory
+speed, which is why "auto" reads directly only when the experts do not fit.
 
 Staging is a small cache of file bytes keyed by (layer, expert): `stage` starts the reads of
 an expert if a buffer can be had within `capacity` bytes (else it declines, and the caller
