@@ -67,6 +67,12 @@ class ReaderCounts:
     peak_bytes: int = 0  # most staging bytes allocated at once
 
 
+def span_bound(n: int) -> int:
+    """The most bytes a range of n bytes takes once rounded out to ALIGN on both sides,
+    wherever it starts."""
+    return -(-n // ALIGN) * ALIGN + ALIGN
+
+
 def _spans(ranges) -> list[tuple[int, int, int]]:
     """Per (offset, length): (aligned file start, aligned span, where it sits in the buffer)."""
     out, pos = [], 0

@@ -18,7 +18,7 @@ from functools import cached_property
 import numpy as np
 
 from cfr_atlas.errors import DimensionError, ModelFormatError, UnsupportedQuantError
-from cfr_atlas.experts.reader import ALIGN, DirectReader
+from cfr_atlas.experts.reader import DirectReader, span_bound
 from cfr_atlas.os_pages import resident_pages
 from cfr_atlas.quant import QuantWeight
 from cfr_atlas.quant.formats import qtype_from_gguf
@@ -155,9 +155,9 @@ class ExpertSource:
             self.reader.close()
             self.reader = None
         if experts > 0 and self.path is not None:
+            one = self.staged_bytes()
             try:
-                self.reader = DirectReader(self.path, experts * self.staged_bytes(),
-                                           self.staged_bytes(), self.version)
+                self.reader = DirectReader(self.path, experts * one, one, self.version)
             except OSError as e:
                 warnings.warn(f"expert reads stay on the page cache: {e}", RuntimeWarning,
                               stacklevel=2)
@@ -165,8 +165,8 @@ class ExpertSource:
 
     def staged_bytes(self) -> int:
         """Staging bytes of the largest layer's expert: each matrix's range rounded out to
-        ALIGN on both sides."""
-        return max(sum(-(-m.data[0].nbytes // ALIGN) * ALIGN + ALIGN for m in mats)
+        the reader's alignment, wherever it starts."""
+        return max(sum(span_bound(m.data[0].nbytes) for m in mats)
                    for mats in self.layers) if self.layers else 0
 
     @contextmanager

@@ -44,11 +44,15 @@ def parse_expert_budget(value) -> int | float | None:
     return parse_bytes(value, "expert_budget")
 
 
+def check_expert_reads(reads: str) -> None:
+    if reads not in EXPERT_READS:
+        raise ConfigError("expert_reads", f"{reads!r} is not one of {list(EXPERT_READS)}")
+
+
 def expert_options(gf, budget, policy: str, profile, reads: str = "auto") -> dict:
     """Keyword arguments for load_net: empty for a default load (nothing to pass on), so
     dense families never see them."""
-    if reads not in EXPERT_READS:
-        raise ConfigError("expert_reads", f"{reads!r} is not one of {list(EXPERT_READS)}")
+    check_expert_reads(reads)
     if budget is None and policy == "lru" and profile is None and reads == "auto":
         return {}
     return {"expert_budget": parse_expert_budget(budget), "expert_policy": policy,
@@ -111,10 +115,14 @@ def _cgroup_files():
             d = d.parent
 
 
+def _file_bytes(gf, experts: bool) -> int:
+    """File bytes of the routed-expert tensors (experts) or of all the others."""
+    return sum(int(t.n_bytes) for name, t in gf.tensors.items() if ("_exps." in name) == experts)
+
+
 def resident_estimate(gf) -> int:
     """Bytes the non-expert weights take once repacked (an upper bound: REPACK_GROWTH x file)."""
-    return REPACK_GROWTH * sum(int(t.n_bytes) for name, t in gf.tensors.items()
-                               if "_exps." not in name)
+    return REPACK_GROWTH * _file_bytes(gf, experts=False)
 
 
 def check_host_memory(gf, pool_bytes: int, budget) -> None:
@@ -137,11 +145,10 @@ def direct_reads(gf, store: ExpertStore, reads: str, later: int = 0) -> bool:
     each expert read through it would be evicted again unused, and the kernel's page-cache
     work is all cost. Otherwise the page cache is a second tier of experts at memory speed,
     and "auto" keeps it."""
-    if reads not in EXPERT_READS:
-        raise ConfigError("expert_reads", f"{reads!r} is not one of {list(EXPERT_READS)}")
+    check_expert_reads(reads)
     if reads != "auto":
         return reads == "direct"
-    on_disk = sum(int(t.n_bytes) for name, t in gf.tensors.items() if "_exps." in name)
+    on_disk = _file_bytes(gf, experts=True)
     left = available_memory() - store.pool.nbytes - later
     return store.bounded and on_disk > left
 
@@ -161,8 +168,7 @@ def build_store(gf, cfg, matmul: str, budget, policy: str, profile: dict | None,
         return None
     if policy not in POLICIES:
         raise ConfigError("expert_policy", f"{policy!r} is not one of {sorted(POLICIES)}")
-    if reads not in EXPERT_READS:
-        raise ConfigError("expert_reads", f"{reads!r} is not one of {list(EXPERT_READS)}")
+    check_expert_reads(reads)
     source = expert_source(gf, cfg, matmul)
     store = ExpertStore(source, budget, POLICIES["lru"](),
                         before_alloc=lambda n: check_host_memory(gf, n, budget))
