@@ -47,7 +47,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from cfr_atlas.engine import load_model  # noqa: E402
 from cfr_atlas.generate import prefill  # noqa: E402
-from cfr_atlas.models.expert_memory import STAGED_LAYERS  # noqa: E402
 from cfr_atlas.testing.tiny_moe import write_tiny_moe  # noqa: E402
 from moe_pressure import pressure_rows, pressure_table  # noqa: E402
 from page_cache import (  # noqa: E402
@@ -98,16 +97,14 @@ def _args(argv):
                         "where a token's time is its reads; empty skips it): each decoded token "
                         "after the model file is dropped from the page cache, paired with a "
                         "sequential read and a scattered read of the same bytes")
-    p.add_argument("--cold-reads", default="cached,threads,direct",
+    p.add_argument("--cold-reads", default="cached,direct",
                    help="how the cold decode table's stores read uncached experts (load_model's "
                    "expert_reads), each a row per budget, in turn: cached (the page cache: "
-                   "read-ahead advice, then the mapped file), direct (O_DIRECT into staging "
-                   "buffers, the reads queued to the kernel: Linux AIO) and threads (direct, "
-                   "issued by reader threads instead: the way before the kernel's queue, and "
-                   "where it cannot be had)")
+                   "read-ahead advice, then the mapped file) and direct (reader threads, "
+                   "O_DIRECT into staging buffers)")
     p.add_argument("--pressure-budgets", default="min,25%",
                    help="budgets of the memory-pressure table (empty skips it): decoding in a "
-                   "memory cgroup too small for the file, the ways of reading alternating "
+                   "memory cgroup too small for the file, the two ways of reading alternating "
                    "(moe_pressure.py; needs root, else the table says skipped)")
     p.add_argument("--pressure-room", default=256, type=int, metavar="MIB",
                    help="the cgroup's limit: MiB for all the decode allocates after entering "
@@ -206,9 +203,7 @@ def _cold_tokens(model, path: Path, ids, a, spec: str, base: bytes, reads: str) 
     per-token ratios; the logits of every token must equal the all-resident run's. `reads`:
     the store's expert_reads (cached or direct)."""
     name, budget = _budget(spec, model)
-    store = model.net.set_experts(budget, a.policy, reads="direct" if reads == "threads" else reads)
-    if reads == "threads":
-        store.read_direct(STAGED_LAYERS * model.net.config.n_experts_used, aio=False)
+    store = model.net.set_experts(budget, a.policy, reads=reads)
     store.use_prefetch(False)
     keys, write = [], store.write
     store.write = lambda key, slot: keys.append(key) or write(key, slot)
@@ -241,11 +236,8 @@ def _cold_tokens(model, path: Path, ids, a, spec: str, base: bytes, reads: str) 
         s.close()
         del store.write  # the class's method again
     exact = np.stack(rows).tobytes() == base
-    reader = store.source.reader
-    how = "" if reader is None else ", ".join(
-        (["O_DIRECT"] if reader.direct else []) + (["kernel queue"] if reader.kernel_queue
-                                                   else [] if reads == "threads" else ["threads"]))
-    reads = {"reads": reads + (f" ({how})" if how else "")}
+    direct = store.source.reader is not None and store.source.reader.direct
+    reads = {"reads": reads + (" (O_DIRECT)" if direct else "")}
     if not per:
         return {"budget": name, **reads, "tokens": 0, "exact": exact,
                 "loadavg": os.getloadavg()[0]}

@@ -4,14 +4,13 @@ The process moves into a memory cgroup (page_cache.MemoryCgroup) whose limit lea
 bytes for everything it allocates after entering, page cache included, fewer than the experts'
 file bytes; the file is dropped from the page cache once, then decoding runs. Nothing is dropped
 per token: what is cold is what the kernel itself reclaimed to stay within the limit, as on a
-machine (or in a container) too small for the model. The ways of reading uncached experts
-(load_model's expert_reads: "cached" through the page cache, "direct" off the disk with the
-reads queued to the kernel, and "threads", direct reads issued by reader threads instead)
-alternate on one store and one greedy decode, in blocks of tokens, the order rotating. Each
-block starts from a dropped page cache: direct reads leave nothing cached, so a direct block
-would otherwise read what the cached block before it left in the page cache from memory (an
-early version did, and flattered direct reads ~1.5x). The first WARM_TOKENS tokens of each block
-are not counted (the cached way's page cache fills meanwhile).
+machine (or in a container) too small for the model. The two ways of reading uncached experts
+(load_model's expert_reads: "cached" through the page cache, "direct" off the disk by reader
+threads) alternate on one store and one greedy decode, in blocks of tokens, the order
+alternating. Each block starts from a dropped page cache: direct reads leave nothing cached, so
+a direct block would otherwise read what the cached block before it left in the page cache
+from memory (an early version did, and flattered direct reads ~1.5x). The first WARM_TOKENS
+tokens of each block are not counted (the cached way's page cache fills meanwhile).
 A token's read rate is the store's bytes read over its wall time, compute included; the
 sequential read is page_cache.sequential_read of as many bytes from a dropped cache, outside the
 cgroup, before and after (median of those). The logits of the whole decode must equal the
@@ -26,10 +25,9 @@ import time
 import numpy as np
 
 from cfr_atlas.generate import prefill
-from cfr_atlas.models.expert_memory import STAGED_LAYERS
 from page_cache import MemoryCgroup, sequential_read
 
-ARMS = ("cached", "threads", "direct")
+ARMS = ("cached", "direct")
 WARM_TOKENS = 3  # not counted at a block's start: the page cache (256 MiB room, ~78 MB a
 # token) takes about this many tokens to fill from a dropped cache
 
@@ -57,9 +55,8 @@ def pressure_rows(model, path, ids, make_store, room: int, blocks: int, block_to
         try:
             rows = [prefill(model.net, s, np.asarray(ids, dtype=np.int64))[0]]
             for b in range(blocks * len(ARMS)):
-                arm = ARMS[(b + b // len(ARMS)) % len(ARMS)]  # the order rotating
-                store.read_direct(0 if arm == "cached" else STAGED_LAYERS * k,
-                                  aio=False if arm == "threads" else None)
+                arm = ARMS[(b + b // len(ARMS)) % len(ARMS)]  # c d d c c d d c ...
+                store.read_direct(3 * k if arm == "direct" else 0)
                 drop()  # the other way's page cache is not inherited (direct reads leave none)
                 for i in range(block_tokens):
                     counted = times[arm] if i >= WARM_TOKENS else None

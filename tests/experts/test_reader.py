@@ -1,10 +1,8 @@
 """Direct expert reads (experts/reader.py): uncached experts read off the disk into staging
-buffers, bypassing the page cache, queued to the kernel (kaio.py) or by reader threads. Speed
-only, never a bit of the logits.
+buffers by reader threads, bypassing the page cache. Speed only, never a bit of the logits.
 
-The reader, both ways, against the file's own bytes (ranges at any offset, the file's last
-bytes, O_DIRECT refused at open or at read, a failed read, a kernel that refuses the queue,
-close with reads in flight); staging bounded by its capacity however many
+The reader against the file's own bytes (ranges at any offset, the file's last bytes, O_DIRECT
+refused at open or at read, a failed read); staging bounded by its capacity however many
 experts pass through it (the bytes allocated, not the experts staged); the store's logits
 with direct reads equal the all-resident run's (np.array_equal) for both arithmetics, chunked
 prefill and decode, with the page cache made to look empty so every load is staged; what
@@ -26,7 +24,6 @@ from hypothesis import strategies as st
 
 from cfr_atlas.engine import load_model
 from cfr_atlas.errors import ConfigError
-from cfr_atlas.experts import kaio
 from cfr_atlas.experts import reader as reader_mod
 from cfr_atlas.experts import source as source_mod
 from cfr_atlas.experts.reader import ALIGN, DirectReader
@@ -45,31 +42,6 @@ def data_file(tmp_path_factory):
 
 
 BUF = 1 << 16  # a staging buffer: room for any ranges the tests stage
-KERNEL = kaio.supported()
-
-
-@pytest.fixture(scope="module", params=["kernel", "threads"])
-def way(request):
-    """DirectReader's aio argument: the kernel's queue (where this machine allows it) or the
-    reader threads."""
-    if request.param == "kernel" and not KERNEL:
-        pytest.skip("this machine refuses Linux AIO (io_setup): the reader uses its threads")
-    return None if request.param == "kernel" else False
-
-
-def test_the_kernel_queue_is_used_where_the_machine_has_it(data_file, way):
-    path, data = data_file
-    r = DirectReader(path, 1 << 20, BUF, aio=way)
-    try:
-        assert r.direct  # the test files' filesystem reads O_DIRECT
-        assert r.kernel_queue == (way is None)
-        assert r.stage("k", [(3, 5000), (9000, 700)])
-        got = _take(r, "k")
-        assert [g.tobytes() for g in got] == [data[3:5003].tobytes(), data[9000:9700].tobytes()]
-        assert r.counts.kernel_reads == (2 if way is None else 0)
-        assert (len(r._workers) == 0) == (way is None)  # no thread started for queued reads
-    finally:
-        r.close()
 
 
 def _ranges(draw_ranges):
@@ -90,10 +62,10 @@ def _take(r, key, timeout=10.0):
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, SIZE - 1), st.integers(1, 2 * ALIGN + 100)),
                 min_size=1, max_size=3))
-def test_staged_bytes_are_the_file_s_bytes_at_any_offset(data_file, way, drawn):
+def test_staged_bytes_are_the_file_s_bytes_at_any_offset(data_file, drawn):
     path, data = data_file
     ranges = _ranges(drawn)
-    r = DirectReader(path, 1 << 20, BUF, aio=way)
+    r = DirectReader(path, 1 << 20, BUF)
     try:
         assert r.stage("k", ranges)
         got = _take(r, "k")
@@ -108,15 +80,14 @@ def _settle(r, timeout=10.0):
     end = time.monotonic() + timeout
     while any(s.left for s in list(r.staged.values())):
         assert time.monotonic() < end, "reads did not end"
-        r.poll()
         time.sleep(0.001)
 
 
-def test_staging_never_allocates_past_its_capacity(data_file, way):
+def test_staging_never_allocates_past_its_capacity(data_file):
     path, data = data_file
     one = [(100, 3000), (ALIGN + 5, 2 * ALIGN)]  # 4 KiB + 12 KiB of aligned spans
     size = 4 * ALIGN
-    r = DirectReader(path, 3 * size, size, aio=way)
+    r = DirectReader(path, 3 * size, size)
     try:
         for i in range(40):  # stage, take, release: buffers are reused, never added
             assert r.stage(i, one)
@@ -137,12 +108,12 @@ def test_staging_never_allocates_past_its_capacity(data_file, way):
         r.close()
 
 
-def test_experts_of_different_sizes_share_the_buffers(data_file, way):
+def test_experts_of_different_sizes_share_the_buffers(data_file):
     """Layers whose experts differ in size (mixed formats) take any free buffer: one of the
     largest size each, so none is ever too small and none sits idle for want of a size."""
     path, _ = data_file
     small, large = [(0, 100)], [(100, 3 * ALIGN), (5 * ALIGN, 1000)]
-    r = DirectReader(path, 2 * 6 * ALIGN, 6 * ALIGN, aio=way)
+    r = DirectReader(path, 2 * 6 * ALIGN, 6 * ALIGN)
     try:
         for i in range(30):
             for key in ((i, "s"), (i, "l")):
@@ -159,7 +130,7 @@ def test_experts_of_different_sizes_share_the_buffers(data_file, way):
 
 def test_a_failed_read_hands_out_nothing_and_is_counted(data_file, monkeypatch):
     path, _ = data_file
-    r = DirectReader(path, 1 << 20, BUF, aio=False)
+    r = DirectReader(path, 1 << 20, BUF)
 
     def broken(fd, bufs, off):
         raise OSError(errno.EIO, "I/O error")
@@ -178,7 +149,7 @@ def test_a_read_that_raises_anything_still_ends_and_a_closed_reader_stages_nothi
                                                                                    monkeypatch):
     """A reader thread never dies with a read in flight: `take` would wait forever."""
     path, _ = data_file
-    r = DirectReader(path, 1 << 20, BUF, aio=False)
+    r = DirectReader(path, 1 << 20, BUF)
 
     def odd(fd, bufs, off):
         raise TypeError("not an OSError")
@@ -197,7 +168,7 @@ def test_o_direct_refused_at_read_falls_back_to_plain_reads(data_file, monkeypat
     """Every thread's read still returns its bytes, however slowly the plain descriptor
     opens (threads that hit EINVAL meanwhile wait for it, once)."""
     path, data = data_file
-    r = DirectReader(path, 1 << 20, BUF, aio=False)
+    r = DirectReader(path, 1 << 20, BUF)
     first_fd, real_read, real_open = r.fd, os.preadv, os.open
 
     def picky(fd, bufs, off):  # a filesystem that opens O_DIRECT but will not read so
@@ -264,7 +235,7 @@ def test_a_file_replaced_at_its_path_is_never_read(data_file, tmp_path):
 def test_idle_reader_threads_end_and_come_back_when_needed(data_file, monkeypatch):
     path, data = data_file
     monkeypatch.setattr(reader_mod, "IDLE_SECONDS", 0.3)
-    r = DirectReader(path, 1 << 20, BUF, threads=3, aio=False)
+    r = DirectReader(path, 1 << 20, BUF, threads=3)
     try:
         assert r.stage("a", [(0, 10)]) and _take(r, "a")[0].tobytes() == data[:10].tobytes()
         assert 1 <= len(r._workers) <= 3
@@ -280,7 +251,7 @@ def test_idle_reader_threads_end_and_come_back_when_needed(data_file, monkeypatc
 
 def test_close_ends_the_reader_s_threads_and_staging_after_it_declines(data_file):
     path, _ = data_file
-    r = DirectReader(path, 1 << 20, BUF, aio=False)
+    r = DirectReader(path, 1 << 20, BUF)
     assert r.stage("k", [(0, 10)])
     _take(r, "k")
     workers = list(r._workers)
@@ -289,98 +260,15 @@ def test_close_ends_the_reader_s_threads_and_staging_after_it_declines(data_file
     assert not r.stage("j", [(0, 10)]) and r._workers == []
 
 
-def test_a_forked_child_stages_nothing(data_file, way, monkeypatch):
+def test_a_forked_child_stages_nothing(data_file, monkeypatch):
     path, _ = data_file
-    r = DirectReader(path, 1 << 20, BUF, aio=way)
+    r = DirectReader(path, 1 << 20, BUF)
     try:
         monkeypatch.setattr(reader_mod.os, "getpid", lambda: -1)  # as in a forked child
         assert not r.stage("k", [(0, 10)]) and not r.staged
     finally:
         monkeypatch.undo()
         r.close()
-
-
-needs_kernel = pytest.mark.skipif(not KERNEL, reason="this machine refuses Linux AIO")
-
-
-def _ends_as(monkeypatch, change):
-    """The kernel's ends pass through `change(tag, res) -> res` (a failing disk, a refusing
-    filesystem)."""
-    real = kaio.Aio.reap
-
-    def reap(self, wait, timeout=1.0):
-        got = real(self, wait, timeout)
-        return got if got is None else [(tag, change(tag, res)) for tag, res in got]
-
-    monkeypatch.setattr(kaio.Aio, "reap", reap)
-
-
-@needs_kernel
-def test_a_failed_kernel_read_hands_out_nothing_and_is_counted(data_file, monkeypatch):
-    path, data = data_file
-    r = DirectReader(path, 1 << 20, BUF)
-    _ends_as(monkeypatch, lambda tag, res: -errno.EIO if tag == 1 else res)
-    try:
-        assert r.stage("bad", [(10, 100), (5000, 100)]) and r.stage("good", [(0, 10)])
-        assert _take(r, "bad") is None and r.counts.failed == 1 and "bad" not in r.staged
-        assert _take(r, "good")[0].tobytes() == data[:10].tobytes()
-        _ends_as(monkeypatch, lambda tag, res: 50)  # short: fails, never half a range
-        assert r.stage("short", [(0, 100)]) and _take(r, "short") is None
-    finally:
-        monkeypatch.undo()
-        r.close()
-
-
-@needs_kernel
-def test_a_kernel_read_refused_with_einval_is_read_plainly(data_file, monkeypatch):
-    path, data = data_file
-    r = DirectReader(path, 1 << 20, BUF)
-    first_fd, real_read = r.fd, os.preadv
-
-    def picky(fd, bufs, off):  # O_DIRECT refused at read: the plain descriptor answers
-        if fd == first_fd:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_read(fd, bufs, off)
-
-    _ends_as(monkeypatch, lambda tag, res: -errno.EINVAL)
-    monkeypatch.setattr(reader_mod.os, "preadv", picky)
-    try:
-        assert r.stage("k", [(7, 3000)]) and r.kernel_queue
-        assert _take(r, "k")[0].tobytes() == data[7:3007].tobytes()
-        assert not r.direct and not r.kernel_queue  # plain from now on: the threads read
-        assert r.stage("j", [(SIZE - 9, 9)]) and _take(r, "j")[0].tobytes() == data[-9:].tobytes()
-        assert r.counts.failed == 0 and r._workers
-    finally:
-        monkeypatch.undo()
-        r.close()
-
-
-@needs_kernel
-def test_a_kernel_that_refuses_the_queue_leaves_the_reads_to_the_threads(data_file,
-                                                                         monkeypatch):
-    path, data = data_file
-    r = DirectReader(path, 1 << 20, BUF)
-    monkeypatch.setattr(kaio.Aio, "submit", lambda self, fd, reads: 0)
-    try:
-        assert r.stage("k", [(100, 200)])
-        assert _take(r, "k")[0].tobytes() == data[100:300].tobytes()
-        assert not r.kernel_queue and r.counts.kernel_reads == 0 and r._workers
-    finally:
-        monkeypatch.undo()
-        r.close()
-
-
-@needs_kernel
-def test_close_with_kernel_reads_in_flight_waits_for_them(data_file):
-    """Buffers are never written after close: the context's destruction waits for its reads,
-    and a take after it hands out nothing (the caller reads the mapping)."""
-    path, _ = data_file
-    r = DirectReader(path, 1 << 20, BUF)
-    for i in range(8):
-        assert r.stage(i, [(i * 500, 3000), (SIZE - 100, 100)])
-    r.close()
-    assert r._aio is None and not r._queued and not r.staged
-    assert r.take(3) is None and not r.stage(9, [(0, 10)])
 
 
 @pytest.fixture
@@ -391,10 +279,7 @@ def cold(monkeypatch):
 
 
 @pytest.mark.parametrize("matmul", ["float", "int8"])
-def test_logits_with_direct_reads_equal_the_all_resident_run(moe_file, matmul, way, cold,
-                                                             monkeypatch):
-    if way is False:  # a machine without the kernel's queue: the reader threads
-        monkeypatch.setattr(reader_mod.Aio, "create", lambda depth: None)
+def test_logits_with_direct_reads_equal_the_all_resident_run(moe_file, matmul, cold):
     model = load_model(moe_file("qwen3moe", "Q4_0"), matmul=matmul)
     base = model.logits(IDS, chunk_tokens=5)
     model.generate(IDS, max_tokens=5)
@@ -403,7 +288,6 @@ def test_logits_with_direct_reads_equal_the_all_resident_run(moe_file, matmul, w
     for slots_ in (1, k, 3 * k):  # turns, one layer's top-k, more
         store = model.net.set_experts(slots_ * model.net.experts.slot_bytes, reads="direct")
         assert store.source.reader is not None
-        assert store.source.reader.kernel_queue == (way is None)
         assert np.array_equal(model.logits(IDS, chunk_tokens=5), base)
         model.generate(IDS, max_tokens=5)
         assert model.last_telemetry["logits_sha256"] == decode
@@ -411,8 +295,7 @@ def test_logits_with_direct_reads_equal_the_all_resident_run(moe_file, matmul, w
         assert t["expert_direct_staged"] > 0 and t["expert_direct_failed"] == 0
         assert t["expert_direct_taken"] > 0  # staged bytes were what the slots were filled from
         assert 0 < t["expert_direct_peak_bytes"] <= store.source.reader.capacity
-        one = store.source.staged_bytes()
-        assert store.source.reader.capacity == expert_memory.STAGED_LAYERS * k * one
+        assert store.source.reader.capacity == 3 * k * store.source.staged_bytes()
         assert store.pool.nbytes == t["expert_pool_bytes"] <= slots_ * store.slot_bytes
     model.net.experts.source.close()
 

@@ -41,12 +41,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cfr_atlas.experts.kaio import Aio, Read
-
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers (covers 512-byte devices)
 THREADS = 8  # reads in flight at once (each thread blocks in one pread, the GIL released)
 IDLE_SECONDS = 1.0  # a reader thread without a read for this long ends (started again on use)
-RANGES_QUEUED = 8  # kernel queue depth per staging buffer (an expert is 3 ranges)
 
 
 @dataclass
@@ -54,7 +51,6 @@ class _Staged:
     buf: np.ndarray  # 4 KiB-aligned bytes of the expert's ranges, each from its aligned start
     views: list[np.ndarray]  # per range: its own bytes inside buf
     left: int  # reads not yet ended
-    queued: int = 0  # of those, reads queued to the kernel (AIO) whose ends are not reaped
     ok: bool = True  # every ended read returned its bytes
     pins: int = 0  # takers between take and release
     dropped: bool = False  # released or dropped: the buffer is free once `left` is 0
@@ -69,7 +65,6 @@ class ReaderCounts:
     failed: int = 0  # takes whose reads failed (the caller read the mapped bytes)
     taken: int = 0  # takes that handed out staged bytes
     peak_bytes: int = 0  # most staging bytes allocated at once
-    kernel_reads: int = 0  # reads queued to the kernel (AIO) instead of to the reader threads
 
 
 def span_bound(n: int) -> int:
@@ -104,21 +99,14 @@ class DirectReader:
     expert's ranges, rounded out: every buffer fits every expert, so any free one will do);
     version: (st_dev, st_ino, st_size, st_mtime_ns) of the file the caller maps. A descriptor
     whose file is not that version is refused (FileChangedError at construction; a failed
-    read later): the staged bytes must be the mapped bytes. aio: queue the reads to the kernel
-    (kaio.py) on an O_DIRECT descriptor where it allows (None, the default), or never (False:
-    threads only); `kernel_queue` says which it does."""
+    read later): the staged bytes must be the mapped bytes."""
 
     def __init__(self, path, capacity: int, buffer_bytes: int, version: tuple | None = None,
-                 threads: int = THREADS, aio: bool | None = None):
+                 threads: int = THREADS):
         self.path, self.threads, self.version = os.fspath(path), threads, version
         self.buffer_bytes = int(buffer_bytes)
         self.capacity = int(capacity) // self.buffer_bytes * self.buffer_bytes
         self.fd, self.direct = _open(self.path, version)
-        self._aio = Aio.create(max(self.capacity // self.buffer_bytes, 1) * RANGES_QUEUED) \
-            if self.direct and aio is not False else None
-        self._queued: dict[int, tuple] = {}  # tag -> (staged, dst, offset, need) in the kernel
-        self._tags = 0
-        self._reaping = threading.Lock()  # one thread collects the kernel's ends at a time
         self._old_fds: list[int] = []  # O_DIRECT descriptors replaced after EINVAL (closed last)
         self.lock = threading.Lock()
         self.closed = False
@@ -130,19 +118,12 @@ class DirectReader:
         self._workers: list[threading.Thread] = []
         self._pid = os.getpid()
 
-    @property
-    def kernel_queue(self) -> bool:
-        """Whether reads go to the kernel's queue (AIO) rather than to reader threads."""
-        return self._aio is not None and self.direct
-
     def stage(self, key, ranges) -> bool:
         """Start reading `ranges` ((file offset, length) each) for `key` unless already staged;
         False when no buffer fits in the capacity, the ranges do not fit a buffer, the reader
         is closed or this is a forked child (nothing started; the caller reads the mapping)."""
         spans = _spans(ranges)
         size = spans[-1][1] + spans[-1][2]
-        if self._queued:
-            self._reap(wait=False)  # buffers of ended reads dropped meanwhile come back
         with self.lock:
             if key in self.staged:
                 return True
@@ -152,77 +133,19 @@ class DirectReader:
             if buf is None:
                 self.counts.declined += 1
                 return False
+            try:
+                self._start()
+            except RuntimeError:  # no thread could be started: read through the mapping
+                self.free.append(buf)
+                return False
             views = [buf[pos + off - lo:pos + off - lo + n]
                      for (off, n), (lo, _, pos) in zip(ranges, spans, strict=True)]
-            s = _Staged(buf, views, len(spans))
-            jobs = [(s, buf[pos:pos + span], lo, off - lo + n)
-                    for (off, n), (lo, span, pos) in zip(ranges, spans, strict=True)]
-            rest = jobs[self._submit(jobs):] if self.kernel_queue else jobs
-            if rest:
-                try:
-                    self._start()
-                except RuntimeError:  # no thread could be started: read through the mapping
-                    if len(rest) == len(jobs):
-                        self.free.append(buf)
-                        return False
-                    s.ok, s.left = False, s.left - len(rest)  # the queued ones still end
-                    rest = []
-            self.staged[key] = s
+            s = self.staged[key] = _Staged(buf, views, len(spans))
             s.ended.acquire()
             self.counts.staged += 1
-            for job in rest:
-                self._jobs.put(job)
+            for (off, n), (lo, span, pos) in zip(ranges, spans, strict=True):
+                self._jobs.put((s, buf[pos:pos + span], lo, off - lo + n))
         return True
-
-    def _submit(self, jobs: list) -> int:
-        """(lock held) Queue the first jobs to the kernel -> how many it took (the rest go to
-        the threads). A kernel that takes none while none are in flight refuses them (a
-        filesystem without asynchronous direct reads): reads go to the threads from then on."""
-        reads = []
-        for job in jobs:
-            self._tags += 1
-            self._queued[self._tags] = job
-            reads.append(Read(self._tags, job[1].ctypes.data, job[1].size, job[2]))
-        n = self._aio.submit(self.fd, reads)
-        for r in reads[n:]:
-            del self._queued[r.tag]
-        if n:
-            jobs[0][0].queued += n
-            self.counts.kernel_reads += n
-        elif not self._aio.in_flight:
-            self._aio.close()
-            self._aio = None
-        return n
-
-    def poll(self) -> None:
-        """Collect the reads the kernel has ended, without waiting (a no-op with threads)."""
-        self._reap(wait=False)
-
-    def _reap(self, wait: bool) -> None:
-        """Collect the kernel's ended reads (waiting for one when `wait`, unless another thread
-        is collecting: then wait for it instead). A context that no longer answers (a forked
-        child's) ends every queued read as failed."""
-        if not self._reaping.acquire(blocking=wait):
-            return
-        try:
-            aio = self._aio
-            ends = aio.reap(wait) if aio is not None else None
-            if ends is None:
-                ends = [(tag, -errno.EIO) for tag in list(self._queued)]
-            for tag, res in ends:
-                with self.lock:
-                    job = self._queued.pop(tag, None)
-                if job is None:
-                    continue
-                s, dst, offset, need = job
-                # a direct read refused with EINVAL is read again through the threads' path,
-                # which falls back to a plain descriptor; a short read fails (the mapping)
-                got = self._read(dst, offset, need) if res == -errno.EINVAL else max(res, 0)
-                with self.lock:
-                    s.queued -= 1
-                    self._ended(s, got, need)
-        finally:
-            self._reaping.release()
 
     def take(self, key) -> list[np.ndarray] | None:
         """The staged bytes of `key` (one array per range), pinned until `release(key)`; None
@@ -232,9 +155,7 @@ class DirectReader:
             if s is None:
                 return None
             s.pins += 1
-        while s.queued:  # its reads in the kernel's queue: collect ends until they are in
-            self._reap(wait=True)
-        with s.ended:  # waits for the threads' reads
+        with s.ended:  # waits for the reads
             pass
         if not s.ok:
             with self.lock:
@@ -273,15 +194,6 @@ class DirectReader:
                 self._jobs.put(None)
         for t in workers:
             t.join()
-        with self._reaping:
-            if self._aio is not None:
-                self._aio.close()  # waits for the kernel's reads: no buffer is written after
-                self._aio = None
-            with self.lock:
-                for s, _, _, need in self._queued.values():
-                    s.queued -= 1
-                    self._ended(s, 0, need)
-                self._queued.clear()
         with self.lock:
             for fd in [self.fd, *self._old_fds]:
                 if fd is not None:
@@ -342,17 +254,13 @@ class DirectReader:
             except Exception:  # never a lost read: its taker would wait forever
                 got = 0
             with self.lock:
-                self._ended(s, got, need)
-
-    def _ended(self, s: _Staged, got: int, need: int) -> None:
-        """(lock held) One of s's reads ended with `got` bytes of the `need` it wanted."""
-        self.counts.bytes_read += got
-        s.ok = s.ok and got >= need
-        s.left -= 1
-        if s.left == 0:
-            s.ended.release()
-            if s.dropped:
-                self.free.append(s.buf)
+                self.counts.bytes_read += got
+                s.ok = s.ok and got >= need
+                s.left -= 1
+                if s.left == 0:
+                    s.ended.release()
+                    if s.dropped:
+                        self.free.append(s.buf)
 
     def _forget(self, me) -> None:
         """(lock held) A thread that ends leaves the list (it may end before being listed)."""

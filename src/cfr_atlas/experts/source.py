@@ -143,23 +143,21 @@ class ExpertSource:
         pages = resident_pages(m.address(e), m.data[0].nbytes)
         return pages is not None and bool(pages.all())
 
-    def read_direct(self, experts: int, aio: bool | None = None) -> bool:
+    def read_direct(self, experts: int) -> bool:
         """Read uncached experts off the disk (O_DIRECT where the filesystem allows) into
         staging buffers for at most `experts` experts; 0 switches it off (reads through the
-        page cache). aio: as DirectReader's (None: the kernel's queue where it can be had,
-        else reader threads; False: reader threads, as a benchmark's comparison). Staging is
-        outside the expert budget: its bytes are `reader.allocated` (at most `experts` x
-        `staged_bytes()`). The bytes read are the file's, from a descriptor checked to be the
-        mapped version of it: nothing computed changes. -> on? (Off, with a warning, when the
-        file cannot be opened or has changed since it was mapped.)"""
+        page cache). Staging is outside the expert budget: its bytes are `reader.allocated`
+        (at most `experts` x `staged_bytes()`). The bytes read are the file's, from a
+        descriptor checked to be the mapped version of it: nothing computed changes. -> on?
+        (Off, with a warning, when the file cannot be opened or has changed since it was
+        mapped.)"""
         if self.reader is not None:
             self.reader.close()
             self.reader = None
         if experts > 0 and self.path is not None:
             one = self.staged_bytes()
             try:
-                self.reader = DirectReader(self.path, experts * one, one, self.version,
-                                           aio=aio)
+                self.reader = DirectReader(self.path, experts * one, one, self.version)
             except OSError as e:
                 warnings.warn(f"expert reads stay on the page cache: {e}", RuntimeWarning,
                               stacklevel=2)

@@ -177,11 +177,11 @@ class ExpertStore:
                 self.prefetcher.settle(self.n_layers)  # its load in flight ends first
             self.prefetcher = Prefetcher(self) if on and self.bounded else None
 
-    def read_direct(self, experts: int, aio: bool | None = None) -> None:
+    def read_direct(self, experts: int) -> None:
         """Stage up to `experts` uncached experts at once off the disk, bypassing the page
-        cache (ExpertSource.read_direct, `aio` as there; 0: off). Only a bounded pool loads
-        after the load, so an unbounded one keeps it off. Results never change."""
-        self.source.read_direct(experts if self.bounded else 0, aio)
+        cache (ExpertSource.read_direct; 0: off). Only a bounded pool loads after the load, so
+        an unbounded one keeps it off. Results never change."""
+        self.source.read_direct(experts if self.bounded else 0)
         reader = self.source.reader
         self.telemetry.reads = None if reader is None else reader.counts
 

@@ -26,9 +26,6 @@ from cfr_atlas.models.session import parse_bytes
 # Q8_0 and floats ~1x), so the estimate of the resident weights errs on the safe side.
 REPACK_GROWTH = 2
 EXPERT_READS = ("auto", "direct", "cached")
-# direct reads stage this many layers' top-k experts at most: a step's loads, the next layer's
-# predictions, and wrong predictions whose reads are still in flight
-STAGED_LAYERS = 3
 
 
 def parse_expert_budget(value) -> int | float | None:
@@ -161,7 +158,8 @@ def build_store(gf, cfg, matmul: str, budget, policy: str, profile: dict | None,
     """The expert store of an MoE model (None for a dense one): every expert resident when
     `budget` is None, else a pool of at most `budget` bytes (or that share of all experts)
     evicting by `policy`, reading uncached experts as `reads` says (`direct_reads`; direct
-    reads stage up to STAGED_LAYERS layers' top-k experts at once). Host memory is checked
+    reads stage up to three layers' top-k experts at once: a step's loads, the next layer's
+    predictions, and wrong predictions whose reads are still in flight). Host memory is checked
     before the pool is allocated."""
     if not cfg.n_experts:
         if budget is not None:
@@ -175,7 +173,7 @@ def build_store(gf, cfg, matmul: str, budget, policy: str, profile: dict | None,
     store = ExpertStore(source, budget, POLICIES["lru"](),
                         before_alloc=lambda n: check_host_memory(gf, n, budget))
     if direct_reads(gf, store, reads, later):
-        store.read_direct(STAGED_LAYERS * max(cfg.n_experts_used, 1))
+        store.read_direct(3 * max(cfg.n_experts_used, 1))
     if policy == "pinned":  # pin all but one layer's top-k worth of slots
         store.policy = POLICIES[policy](profile or {}, max(store.n_slots - cfg.n_experts_used, 0))
     elif policy != "lru":
