@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from cfr_atlas.generate import prefill
+from cfr_atlas.models.expert_memory import STAGED_LAYERS
 from page_cache import MemoryCgroup, sequential_read
 
 ARMS = ("cached", "direct")
@@ -56,7 +57,7 @@ def pressure_rows(model, path, ids, make_store, room: int, blocks: int, block_to
             rows = [prefill(model.net, s, np.asarray(ids, dtype=np.int64))[0]]
             for b in range(blocks * len(ARMS)):
                 arm = ARMS[(b + b // len(ARMS)) % len(ARMS)]  # c d d c c d d c ...
-                store.read_direct(3 * k if arm == "direct" else 0)
+                store.read_direct(STAGED_LAYERS * k if arm == "direct" else 0)
                 drop()  # the other way's page cache is not inherited (direct reads leave none)
                 for i in range(block_tokens):
                     counted = times[arm] if i >= WARM_TOKENS else None

@@ -26,6 +26,9 @@ from cfr_atlas.models.session import parse_bytes
 # Q8_0 and floats ~1x), so the estimate of the resident weights errs on the safe side.
 REPACK_GROWTH = 2
 EXPERT_READS = ("auto", "direct", "cached")
+# direct reads stage at most this many layers' top-k experts at once: a step's loads, the next
+# layer's predictions, and wrong predictions whose reads are still in flight
+STAGED_LAYERS = 3
 
 
 def parse_expert_budget(value) -> int | float | None:
@@ -144,8 +147,7 @@ def direct_reads(gf, store: ExpertStore, reads: str, later: int = 0) -> bool:
     the resident weights at load): then the page cache cannot keep them,
     each expert read through it would be evicted again unused, and the kernel's page-cache
     work is all cost. Otherwise the page cache is a second tier of experts at memory speed,
-    and "auto" keeps it."""
-    check_expert_reads(reads)
+    and "auto" keeps it. `reads` is one of EXPERT_READS (build_store checks it)."""
     if reads != "auto":
         return reads == "direct"
     on_disk = _file_bytes(gf, experts=True)
@@ -158,8 +160,7 @@ def build_store(gf, cfg, matmul: str, budget, policy: str, profile: dict | None,
     """The expert store of an MoE model (None for a dense one): every expert resident when
     `budget` is None, else a pool of at most `budget` bytes (or that share of all experts)
     evicting by `policy`, reading uncached experts as `reads` says (`direct_reads`; direct
-    reads stage up to three layers' top-k experts at once: a step's loads, the next layer's
-    predictions, and wrong predictions whose reads are still in flight). Host memory is checked
+    reads stage up to STAGED_LAYERS layers' top-k experts at once). Host memory is checked
     before the pool is allocated."""
     if not cfg.n_experts:
         if budget is not None:
@@ -173,7 +174,7 @@ def build_store(gf, cfg, matmul: str, budget, policy: str, profile: dict | None,
     store = ExpertStore(source, budget, POLICIES["lru"](),
                         before_alloc=lambda n: check_host_memory(gf, n, budget))
     if direct_reads(gf, store, reads, later):
-        store.read_direct(3 * max(cfg.n_experts_used, 1))
+        store.read_direct(STAGED_LAYERS * max(cfg.n_experts_used, 1))
     if policy == "pinned":  # pin all but one layer's top-k worth of slots
         store.policy = POLICIES[policy](profile or {}, max(store.n_slots - cfg.n_experts_used, 0))
     elif policy != "lru":
