@@ -278,14 +278,14 @@ def test_vnni_is_used_where_the_cpu_has_it():
 
 
 @pytest.mark.parametrize("bits, term", [(8, int8.SCALE), (8, int8.MIN), (4, int8.MIN),
-                                        (5, int8.OFFSET16), (5, int8.MIN)])
-def test_portable_dots_equal_the_simd_dots(bits, term):
+                                        (4, int8.OFFSET8), (5, int8.OFFSET16), (5, int8.MIN)])
+def test_every_dot_and_kernel_gives_the_same_bits(bits, term):
     """The portable IR (machines without AVX2), the AVX2 intrinsics and vpdpbusd (where the
-    machine has VNNI) give the same bits on any weight bytes, including int8 -128 and 127,
-    every nibble 15 and every 5-bit weight 31; int8 on vpdpbusd reads the stored bytes
-    unsigned and takes 128 xsum off in the term, the others flip them back first."""
-    if len(int8.ISAS) == 1:
-        pytest.skip("no AVX2 on numba's target: only the portable dots run here")
+    machine has VNNI), each in both kernels (sums in registers, dots and sums in memory), give
+    the same bits on any weight bytes, including int8 -128 and 127, every nibble 15 and every
+    5-bit weight 31; int8 on vpdpbusd reads the stored bytes unsigned and takes 128 xsum off
+    in the term, the others flip them back first. Token counts cover fours, a pair, one, and
+    fours then a pair then one."""
     rng = np.random.default_rng(11)
     n, k, unit = 70, 256, int8.UNIT[bits]
     q = rng.integers(0, 256, size=(n, k // 32 * unit)).astype(np.uint8)
@@ -294,14 +294,24 @@ def test_portable_dots_equal_the_simd_dots(bits, term):
     tiles = int8.to_block_tiles(q, unit)
     d = to_tiles(rng.random((n, k // 32)).astype(np.float32))
     m = to_tiles(rng.standard_normal((n, k // 32)).astype(np.float32))
-    kernels = [int8.tile_kernel(bits, term, isa=isa) for isa in int8.ISAS]
-    for t in (1, 2, 3, 7):
+    kernels = [int8.tile_kernel(bits, term, isa=isa, in_registers=regs)
+               for isa in int8.ISAS for regs in (True, False)]
+    for t in (1, 2, 3, 4, 7):
         xq, xd, xsum = int8.quantize(_x(t, k, seed=t))
         got = [np.empty((t, n), dtype=np.float32) for _ in kernels]
         for kernel, out in zip(kernels, got, strict=True):
             kernel(xq, xd, xsum, tiles, d, m, out)
         for other in got[1:]:
             assert_bits_equal(got[0], other)
+
+
+def test_register_sums_where_there_are_32_vector_registers():
+    """The kernel keeps its sums in registers where the target has AVX-512's 32 vector
+    registers, else the memory kernel (which ran faster with 16: int8.REGISTER_SUMS)."""
+    assert int8.REGISTER_SUMS == int8._target_has("avx512f")
+    default = int8.tile_kernel(4, int8.OFFSET8)
+    assert default.py_func.__qualname__.split(".")[0] == (
+        "_register_kernel" if int8.REGISTER_SUMS else "_memory_kernel")
 
 
 @pytest.mark.parametrize("bits, term", [(8, int8.SCALE), (4, int8.OFFSET8), (4, int8.MIN),
@@ -359,9 +369,11 @@ def test_five_bit_dots_are_exact_at_the_int16_bound():
     xq, xd, xsum = int8.quantize(x.astype(np.float32))
     np.testing.assert_array_equal(xq, x)
     for isa in int8.ISAS:
-        out = np.empty((5, n), dtype=np.float32)
-        int8.tile_kernel(5, int8.SCALE, isa=isa)(xq, xd, xsum, tiles, ones, ones, out)
-        np.testing.assert_array_equal(out, expect)
+        for regs in (True, False):
+            out = np.empty((5, n), dtype=np.float32)
+            int8.tile_kernel(5, int8.SCALE, isa=isa, in_registers=regs)(xq, xd, xsum, tiles,
+                                                                          ones, ones, out)
+            np.testing.assert_array_equal(out, expect)
 
 
 def test_five_bit_packing_by_its_definition():

@@ -61,8 +61,10 @@ IR (sext, mul, shuffles, add) that LLVM lowers for the target. The integer dots 
 the layout and the instruction choice cannot change a bit of the result.
 
 The tile kernel (`tile_kernel`) is here too, one for the formats, which pick their weight
-bytes (int8, packed nibbles or 5 bits) and block term (SCALE, OFFSET8, OFFSET16, MIN);
-int8_fields.py builds the sub-block formats of 32 on it. int8_sub16.py (Q6_K, Q3_K: two
+bytes (int8, packed nibbles or 5 bits) and block term (SCALE, OFFSET8, OFFSET16, MIN). Two
+builds give the same bits: with AVX-512's 32 vector registers, a pass over a tile is one
+compiled loop over the blocks (`tile_dots`) whose float32 sums stay in registers; with 16, the
+block dots are stored as int32 and their terms added into sums in memory. int8_fields.py builds the sub-block formats of 32 on it. int8_sub16.py (Q6_K, Q3_K: two
 scaled sub-blocks of 16 per block) has a dot and kernel of its own, made of this module's IR
 pieces and SCALE term.
 
@@ -560,15 +562,13 @@ def _scales(context, builder, a_t, a, k):
     return builder.load(_ptr(context, builder, a_t, a, k, VF), align=4)
 
 
-def _term8_codegen(context, builder, sig, args):
-    """acc[ao + r] += the block term of rows r = 0..7 (the scalar rule of _add_terms, lane by
-    lane: the same IEEE float32 operations in the same order, no fast-math flags, so no
-    contraction into FMA and the same bits as one row at a time)."""
-    acc_t, d_t, m_t, isum_t = sig.args[0], sig.args[2], sig.args[3], sig.args[7]
-    acc, ao, d, m, k, dx, xs, isum, io = args[:9]
-    term = sig.args[9].literal_value
-    dot = builder.load(_ptr(context, builder, isum_t, isum, io, V32), align=4)
-    xs = context.cast(builder, xs, sig.args[6], types.int32)  # |xs| <= 32 * 127: exact
+def _block_term(context, builder, dot, xs, xs_t, dx, d_t, d, m_t, m, k, term):
+    """The float32 block term of 8 rows (<8 x float>) from their int32 dots (<8 x i32>): the
+    scalar rule of _add_terms, lane by lane (the same IEEE float32 operations in the same
+    order, no fast-math flags, so no contraction into FMA and the same bits as one row at a
+    time). xs: the activation block's integer sum (of type xs_t), dx its float32 scale; the
+    rows' scales at d[k], m[k] (MIN only)."""
+    xs = context.cast(builder, xs, xs_t, types.int32)  # |xs| <= 32 * 127: exact
     if term & FLIP:  # the dots of int8 weights read as stored: isum + 128 xs
         dot = builder.sub(dot, _splat_value(builder, V32, builder.mul(xs, ir.Constant(I32, 128))))
         term &= ~FLIP
@@ -581,6 +581,16 @@ def _term8_codegen(context, builder, sig, args):
         dxs = builder.fmul(dx, builder.sitofp(xs, F32))
         t = builder.fadd(t, builder.fmul(_scales(context, builder, m_t, m, k),
                                          _splat_value(builder, VF, dxs)))
+    return t
+
+
+def _term8_codegen(context, builder, sig, args):
+    """acc[ao + r] += the block term of rows r = 0..7 (`_block_term`)."""
+    acc_t, d_t, m_t, isum_t = sig.args[0], sig.args[2], sig.args[3], sig.args[7]
+    acc, ao, d, m, k, dx, xs, isum, io = args[:9]
+    dot = builder.load(_ptr(context, builder, isum_t, isum, io, V32), align=4)
+    t = _block_term(context, builder, dot, xs, sig.args[6], dx, d_t, d, m_t, m, k,
+                    sig.args[9].literal_value)
     p = _ptr(context, builder, acc_t, acc, ao, VF)
     builder.store(builder.fadd(builder.load(p, align=4), t), p, align=4)
     return context.get_dummy_value()
@@ -614,22 +624,150 @@ def _add_terms(acc, d, m, b, dx, xs, isum, R, term):
         term8(acc, g, d, m, b * R + g, dx, xs, isum, g, term)
 
 
-def tile_kernel(bits: int, term: int, isa: int = ISA):
+def _opaque_zero(builder, intp):
+    """A zero LLVM cannot see through (an empty inline asm passing 0 on): added to an address,
+    it keeps loads of the same bytes apart, so each one folds into the instruction that uses
+    it instead of being merged into one value held in a register."""
+    asm = ir.InlineAsm(ir.FunctionType(intp, [intp]), "", "=r,0", side_effect=True)
+    return builder.call(asm, [ir.Constant(intp, 0)])
+
+
+def _tile_dots_codegen(context, builder, sig, args):
+    """Codegen of tile_dots: a loop over the blocks whose float32 sums stay in registers."""
+    q_t, xq_t, t_t, xd_t, xs_t, d_t, m_t, acc_t = sig.args[:8]
+    q, xq, t, xd, xsum, d, m, acc = args[:8]
+    bits, isa, term, tokens = (a.literal_value for a in sig.args[8:])
+    unit, R = UNIT[bits], TILE_ROWS
+    intp = context.get_value_type(types.intp)
+
+    def const(v):
+        return ir.Constant(intp, v)
+
+    K = cgutils.unpack_tuple(builder, context.make_array(xq_t)(context, builder, xq).shape)[1]
+    nb = builder.sdiv(K, const(QK))
+    t = context.cast(builder, t, t_t, types.intp)
+    xd_data = context.make_array(xd_t)(context, builder, xd).data
+    xs_data = context.make_array(xs_t)(context, builder, xsum).data
+    zero = ir.Constant(VF, [ir.Constant(F32, 0.0)] * GROUP)
+    # one sum per (token, 8-row group): allocas, which LLVM promotes to registers
+    sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(R // GROUP)]
+            for _ in range(tokens)]
+    rows = [builder.add(t, const(j)) for j in range(tokens)]
+    with cgutils.for_range(builder, nb) as loop:
+        b = loop.index
+        xos = [builder.add(builder.mul(r, K), builder.mul(b, const(QK))) for r in rows]
+        blk = [builder.add(builder.mul(r, nb), b) for r in rows]  # (row, b) in xd, xsum
+        dxs = [builder.load(builder.gep(xd_data, [i])) for i in blk]
+        xss = [builder.load(builder.gep(xs_data, [i])) for i in blk]
+        for g in range(R // GROUP):
+            wo = builder.add(builder.mul(b, const(R * unit)), const(g * GROUP * unit))
+            raw = [builder.load(_ptr(context, builder, q_t, q, builder.add(wo, const(c * QK)), V8),
+                                align=1) for c in range(unit // CHUNK)]
+            chunks, starts = _weight_chunks(builder, raw, bits)
+            k = builder.add(builder.mul(b, const(R)), const(g * GROUP))
+            # each group loads its broadcasts anew (merged, four groups' tokens' broadcasts
+            # would be live at once: they spilled)
+            apart = _opaque_zero(builder, intp)
+            for j in range(tokens):
+                xo = builder.add(xos[j], apart)
+                xbs = [_broadcast(context, builder, xq_t, xq, xo, s) for s in starts]
+                dot = _dot_chunks(builder, chunks, xbs, bits, isa)
+                term_v = _block_term(context, builder, dot, xss[j], xs_t.dtype, dxs[j], d_t, d,
+                                     m_t, m, k, term)
+                builder.store(builder.fadd(builder.load(sums[j][g]), term_v), sums[j][g])
+    for j in range(tokens):
+        for g in range(R // GROUP):
+            at = const(j * R + g * GROUP)
+            builder.store(builder.load(sums[j][g]), _ptr(context, builder, acc_t, acc, at, VF),
+                          align=4)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def tile_dots(typingctx, q, xq, t, xd, xsum, d, m, acc, bits, isa, term, tokens):
+    """acc[j, :] = the tile's outputs for token t + j (j < tokens): every block's dots and term
+    (`_block_term`) added in block order into float32 sums held in registers for the whole
+    row, one load and unpack of a group's weights serving all the tokens. q: the tile's bytes
+    (block tiles); xq (T, K) int8, xd (T, K // QK) float32, xsum (T, K // QK) int32, all
+    C-contiguous; d, m: the tile's scales (m read for MIN only); acc (tokens or more,
+    TILE_ROWS) float32. bits, isa, term (with FLIP where `dot_offset`) and tokens: literal
+    ints."""
+    literal = all(isinstance(a, types.IntegerLiteral) for a in (bits, isa, term, tokens))
+    arrays = (isinstance(a, types.Array) and a.layout == "C" for a in (q, xq, xd, xsum, d, m, acc))
+    if not literal or not all(arrays) or bits.literal_value not in UNIT \
+            or not literal_isa(isa) or xq.ndim != 2 or xq.dtype != types.int8 \
+            or xd.dtype != types.float32 or xsum.dtype != types.int32 \
+            or acc.dtype != types.float32 or not all(a.dtype in (types.float32, types.uint16)
+                                                     for a in (d, m)):
+        return None  # the loads below assume these element types, contiguous
+    return types.void(q, xq, t, xd, xsum, d, m, acc, bits, isa, term, tokens), _tile_dots_codegen
+
+
+# Whether the tile kernel keeps its sums in registers (`tile_kernel`): with AVX-512's 32 vector
+# registers. With 16 (AVX2, AVX-VNNI) four tokens' sums of a whole tile spill, and the block
+# dots through memory ran faster (haswell as numba's target on this AMD EPYC Zen 4: 1.05-1.17x
+# the memory kernel's time from four tokens up; docs/PERFORMANCE.md, session 44).
+REGISTER_SUMS = _target_has("avx512f")
+
+
+def tile_kernel(bits: int, term: int, isa: int = ISA, in_registers: bool | None = None):
     """The parallel integer-path kernel(xq, xd, xsum, q, d, m, out) for block tiles of int8
     weights (bits=8), GGUF's packed nibbles (4) or 5-bit weights (5), with one of the terms
     above (m is unused unless term == MIN: pass d). Threads split the tiles; tokens go in
-    fours (then a pair, then one), one weight load and unpack serving them all, every operation
-    of any token the one a lone token performs (four per load: Q5_0 prefill matmuls 1.24x,
-    Q8_0 1.09x, Q4_1 the same, against pairs). isa picks the dots' instructions (ISA: the
-    best the target has; PORTABLE builds on any machine; the tests compare every one the
-    machine runs).
+    fours (then a pair, then one), one pass over the tile's blocks in order, one weight load
+    and unpack serving all the tokens, every operation of any token the one a lone token
+    performs (four per load: Q5_0 prefill matmuls 1.24x, Q8_0 1.09x, Q4_1 the same, against
+    pairs). in_registers (None: REGISTER_SUMS) picks how a pass keeps its sums:
+    - True: `tile_dots`, the pass one compiled loop whose float32 sums stay in registers;
+    - False: the dots of a block's 8-row groups (dot8x4, dot8x2, dot8) stored as int32 and
+      their terms added into float32 sums in memory (`_add_terms`).
+    The two give the same bits (the same operations in the same order). isa picks the dots'
+    instructions (ISA: the best the target has; PORTABLE builds on any machine; the tests
+    compare every one the machine runs, both ways).
     The kernel's closure holds plain values only (numba's disk cache keys a closure by its
     pickled cells, and an intrinsic or dispatcher object pickles differently in every process,
     so a closure over one was compiled anew by every process: ~3 s of each int8 start)."""
-    R = TILE_ROWS
     bits, isa = int(bits), int(isa)
-    unit = UNIT[bits]  # bytes of one row's block
     term = int(term) | (FLIP if dot_offset(bits, isa) else 0)
+    if REGISTER_SUMS if in_registers is None else in_registers:
+        return _register_kernel(bits, isa, term)
+    return _memory_kernel(bits, isa, term)
+
+
+def _register_kernel(bits: int, isa: int, term: int):
+    """`tile_kernel` with its sums in registers."""
+    R = TILE_ROWS
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def kernel(xq, xd, xsum, q, d, m, out):
+        T = xq.shape[0]
+        N = out.shape[1]
+        # every tile's sums in one allocation per call (one per tile cost ~10% of a matvec)
+        accs = np.empty((q.shape[0], 4, R), dtype=np.float32)
+        for i in prange(q.shape[0]):
+            acc = accs[i]
+            n0 = i * R
+            lanes = min(R, N - n0)
+            for t in range(0, T - 3, 4):  # four tokens per weight load
+                tile_dots(q[i], xq, t, xd, xsum, d[i], m[i], acc, bits, isa, term, 4)
+                for j in range(4):
+                    out[t + j, n0:n0 + lanes] = acc[j, :lanes]
+            if T % 4 >= 2:  # then a pair
+                t = T - T % 4
+                tile_dots(q[i], xq, t, xd, xsum, d[i], m[i], acc, bits, isa, term, 2)
+                out[t, n0:n0 + lanes] = acc[0, :lanes]
+                out[t + 1, n0:n0 + lanes] = acc[1, :lanes]
+            if T % 2:  # then one
+                tile_dots(q[i], xq, T - 1, xd, xsum, d[i], m[i], acc, bits, isa, term, 1)
+                out[T - 1, n0:n0 + lanes] = acc[0, :lanes]
+
+    return kernel
+
+
+def _memory_kernel(bits: int, isa: int, term: int):
+    """`tile_kernel` with its block dots and sums in memory."""
+    R = TILE_ROWS
+    unit = UNIT[bits]  # bytes of one row's block
 
     @njit(parallel=True, cache=True, nogil=True)
     def kernel(xq, xd, xsum, q, d, m, out):
@@ -689,3 +827,4 @@ def tile_kernel(bits: int, term: int, isa: int = ISA):
                 out[t, n0:n0 + lanes] = acc[:lanes]
 
     return kernel
+
