@@ -454,7 +454,7 @@ kernels = [q4_0._int_kernel, q4_1._int_kernel, q8_0._int_kernel,
            *int8_fields._KERNELS.values()]
 for k in kernels:
     k(xq, xd, xsum, q, d, d, out)
-int8_sub16.KERNEL(xq, xd, q.view(np.int8), np.zeros((1, 2 * 64), dtype=np.int8), d, out)
+int8_sub16.KERNEL(xq, xd, xsum, q.view(np.int8), d, np.zeros((1, 2 * 64), dtype=np.int8), out)
 kernels.append(int8_sub16.KERNEL)
 print(sum(k.stats.cache_misses.get(s, 0) for k in kernels for s in k.signatures))
 """

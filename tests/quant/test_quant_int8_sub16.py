@@ -108,26 +108,28 @@ def test_block_dots_are_exact_at_the_int16_bound():
     assert_bits_equal(weight.matmul(xf), expect)
     assert_bits_equal(_twin(weight, xf), expect)
     tiles = weight.tiles
-    portable = int8_sub16.tile_kernel(isa=int8.PORTABLE)
-    xq, xd, _ = int8.quantize(xf)
-    out = np.empty_like(expect)
-    portable(xq, xd, tiles.q, tiles.s, tiles.d, out)
-    assert_bits_equal(out, expect)
+    xq, xd, xsum = int8.quantize(xf)
+    for regs in (True, False):
+        portable = int8_sub16.tile_kernel(isa=int8.PORTABLE, in_registers=regs)
+        out = np.empty_like(expect)
+        portable(xq, xd, xsum, tiles.q, tiles.d, tiles.s, out)
+        assert_bits_equal(out, expect)
 
 
-def test_portable_dots_equal_the_simd_dots():
-    """The portable IR, the AVX2 intrinsics and vpdpbusd (where the machine has VNNI) give
-    the same bits on Q6_K and Q3_K bytes with edge scales, for one, two and three tokens."""
-    if len(int8.ISAS) == 1:
-        pytest.skip("no AVX2 on numba's target: only the portable dots run here")
-    kernels = [int8_sub16.tile_kernel(isa=isa) for isa in int8.ISAS]
+def test_every_dot_and_kernel_gives_the_same_bits():
+    """The portable IR, the AVX2 intrinsics and vpdpbusd (where the machine has VNNI), each
+    in both kernels (int8.py's register kernel through PASS_WEIGHTS, this module's memory
+    kernel), give the same bits on Q6_K and Q3_K bytes with edge scales, for 1 to 7 tokens
+    (fours, a pair, one)."""
+    kernels = [int8_sub16.tile_kernel(isa=isa, in_registers=regs)
+               for isa in int8.ISAS for regs in (True, False)]
     for qtype in FORMATS:
         tiles = _int8(qtype, edge_raw(qtype, 70, 512, seed=11), (70, 512)).tiles
-        for t in (1, 2, 3):
-            xq, xd, _ = int8.quantize(_x(t, 512, seed=t))
+        for t in (1, 2, 3, 4, 7):
+            xq, xd, xsum = int8.quantize(_x(t, 512, seed=t))
             got = [np.empty((t, 70), dtype=np.float32) for _ in kernels]
             for kernel, out in zip(kernels, got, strict=True):
-                kernel(xq, xd, tiles.q, tiles.s, tiles.d, out)
+                kernel(xq, xd, xsum, tiles.q, tiles.d, tiles.s, out)
             for other in got[1:]:
                 assert_bits_equal(got[0], other)
 

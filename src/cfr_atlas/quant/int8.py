@@ -64,9 +64,10 @@ The tile kernel (`tile_kernel`) is here too, one for the formats, which pick the
 bytes (int8, packed nibbles or 5 bits) and block term (SCALE, OFFSET8, OFFSET16, MIN). Two
 builds give the same bits: with AVX-512's 32 vector registers, a pass over a tile is one
 compiled loop over the blocks (`tile_dots`) whose float32 sums stay in registers; with 16, the
-block dots are stored as int32 and their terms added into sums in memory. int8_fields.py builds the sub-block formats of 32 on it. int8_sub16.py (Q6_K, Q3_K: two
-scaled sub-blocks of 16 per block) has a dot and kernel of its own, made of this module's IR
-pieces and SCALE term.
+block dots are stored as int32 and their terms added into sums in memory. int8_fields.py
+builds the sub-block formats of 32 on it. int8_sub16.py (Q6_K, Q3_K: two scaled sub-blocks of
+16 per block) has a dot of its own, made of this module's IR pieces, and the SCALE term: its
+memory kernel is its own, its register kernel this module's (`PASS_WEIGHTS`).
 
 Not here: the repacks and NumPy twins (the format modules), shape checks (weight.py).
 """
@@ -74,6 +75,8 @@ Not here: the repacks and NumPy twins (the format modules), shape checks (weight
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import llvmlite.binding as llvm
 import numpy as np
@@ -632,12 +635,49 @@ def _opaque_zero(builder, intp):
     return builder.call(asm, [ir.Constant(intp, 0)])
 
 
+class PassWeights(NamedTuple):
+    """How a register pass reads one 8-row group's block of a kind of weights (the `bits`
+    literal of `tile_dots`): UNIT's 4, 5 and 8 here, SUB16 registered by int8_sub16.py."""
+
+    unit: int  # bytes of one row's block in the block tiles
+    # (context, builder, sig, args, b, g, isa) -> (state, activation offsets to broadcast):
+    # loads (and unpacks) group g's block b; sig and args are tile_dots' (m: the scales it
+    # reads, if any)
+    load: Callable
+    dot: Callable  # (builder, state, broadcasts, isa) -> <8 x i32> the rows' dots
+
+
+SUB16 = 16  # `tile_dots`' bits for int8_sub16's weights (Q6_K, Q3_K: scaled halves)
+PASS_WEIGHTS: dict[int, PassWeights] = {}
+
+
+def _block_tile_load(bits: int):
+    def load(context, builder, sig, args, b, g, isa):
+        intp = context.get_value_type(types.intp)
+        unit = UNIT[bits]
+        wo = builder.add(builder.mul(b, ir.Constant(intp, TILE_ROWS * unit)),
+                         ir.Constant(intp, g * GROUP * unit))
+        raw = [builder.load(_ptr(context, builder, sig.args[0], args[0],
+                                 builder.add(wo, ir.Constant(intp, c * QK)), V8), align=1)
+               for c in range(unit // CHUNK)]
+        return _weight_chunks(builder, raw, bits)
+
+    return load
+
+
+for _bits in UNIT:
+    PASS_WEIGHTS[_bits] = PassWeights(
+        UNIT[_bits], _block_tile_load(_bits),
+        functools.partial(lambda builder, chunks, xbs, isa, bits: _dot_chunks(
+            builder, chunks, xbs, bits, isa), bits=_bits))
+
+
 def _tile_dots_codegen(context, builder, sig, args):
     """Codegen of tile_dots: a loop over the blocks whose float32 sums stay in registers."""
     q_t, xq_t, t_t, xd_t, xs_t, d_t, m_t, acc_t = sig.args[:8]
     q, xq, t, xd, xsum, d, m, acc = args[:8]
     bits, isa, term, tokens = (a.literal_value for a in sig.args[8:])
-    unit, R = UNIT[bits], TILE_ROWS
+    weights, R = PASS_WEIGHTS[bits], TILE_ROWS
     intp = context.get_value_type(types.intp)
 
     def const(v):
@@ -660,10 +700,7 @@ def _tile_dots_codegen(context, builder, sig, args):
         dxs = [builder.load(builder.gep(xd_data, [i])) for i in blk]
         xss = [builder.load(builder.gep(xs_data, [i])) for i in blk]
         for g in range(R // GROUP):
-            wo = builder.add(builder.mul(b, const(R * unit)), const(g * GROUP * unit))
-            raw = [builder.load(_ptr(context, builder, q_t, q, builder.add(wo, const(c * QK)), V8),
-                                align=1) for c in range(unit // CHUNK)]
-            chunks, starts = _weight_chunks(builder, raw, bits)
+            state, starts = weights.load(context, builder, sig, args, b, g, isa)
             k = builder.add(builder.mul(b, const(R)), const(g * GROUP))
             # each group loads its broadcasts anew (merged, four groups' tokens' broadcasts
             # would be live at once: they spilled)
@@ -671,7 +708,7 @@ def _tile_dots_codegen(context, builder, sig, args):
             for j in range(tokens):
                 xo = builder.add(xos[j], apart)
                 xbs = [_broadcast(context, builder, xq_t, xq, xo, s) for s in starts]
-                dot = _dot_chunks(builder, chunks, xbs, bits, isa)
+                dot = weights.dot(builder, state, xbs, isa)
                 term_v = _block_term(context, builder, dot, xss[j], xs_t.dtype, dxs[j], d_t, d,
                                      m_t, m, k, term)
                 builder.store(builder.fadd(builder.load(sums[j][g]), term_v), sums[j][g])
@@ -689,16 +726,18 @@ def tile_dots(typingctx, q, xq, t, xd, xsum, d, m, acc, bits, isa, term, tokens)
     (`_block_term`) added in block order into float32 sums held in registers for the whole
     row, one load and unpack of a group's weights serving all the tokens. q: the tile's bytes
     (block tiles); xq (T, K) int8, xd (T, K // QK) float32, xsum (T, K // QK) int32, all
-    C-contiguous; d, m: the tile's scales (m read for MIN only); acc (tokens or more,
-    TILE_ROWS) float32. bits, isa, term (with FLIP where `dot_offset`) and tokens: literal
-    ints."""
+    C-contiguous; d, m: the tile's scales (m read for MIN only; for SUB16 the tile's int8
+    sub-block scales); acc (tokens or more, TILE_ROWS) float32. bits (a key of PASS_WEIGHTS),
+    isa, term (with FLIP where `dot_offset`) and tokens: literal ints."""
     literal = all(isinstance(a, types.IntegerLiteral) for a in (bits, isa, term, tokens))
     arrays = (isinstance(a, types.Array) and a.layout == "C" for a in (q, xq, xd, xsum, d, m, acc))
-    if not literal or not all(arrays) or bits.literal_value not in UNIT \
-            or not literal_isa(isa) or xq.ndim != 2 or xq.dtype != types.int8 \
+    if not literal or not all(arrays) or bits.literal_value not in PASS_WEIGHTS:
+        return None
+    scales = (types.float32, types.uint16)
+    m_ok = m.dtype == types.int8 if bits.literal_value == SUB16 else m.dtype in scales
+    if not literal_isa(isa) or xq.ndim != 2 or xq.dtype != types.int8 or not m_ok \
             or xd.dtype != types.float32 or xsum.dtype != types.int32 \
-            or acc.dtype != types.float32 or not all(a.dtype in (types.float32, types.uint16)
-                                                     for a in (d, m)):
+            or acc.dtype != types.float32 or d.dtype not in scales:
         return None  # the loads below assume these element types, contiguous
     return types.void(q, xq, t, xd, xsum, d, m, acc, bits, isa, term, tokens), _tile_dots_codegen
 

@@ -140,17 +140,10 @@ def _dot16_codegen(tokens: int):
         scales = _load(context, builder, sig.args[2], args[2], args[3], GROUP, V8S, 2)
         # |w|, for both tokens
         mags = [int8.psign(builder, c, c) for c in chunks] if isa != int8.PORTABLE else None
-        half = {int8.AVX2_DOT: _half_avx2, int8.VNNI_DOT: _half_vnni}.get(isa)
         for xa, xo, oa in ((4, 5, 6), (8, 9, 10))[:tokens]:
             xbs = [int8._broadcast(context, builder, sig.args[xa], args[xa], args[xo], CHUNK * c)
                    for c in range(QK // CHUNK)]
-            halves = []
-            for h in range(2):
-                part = slice(h * CHUNKS, (h + 1) * CHUNKS)
-                if half is not None:
-                    halves.append(half(builder, mags[part], chunks[part], xbs[part], scales[h]))
-                else:
-                    halves.append(_half_generic(builder, chunks[part], xbs[part], scales[h]))
+            halves = _halves(builder, chunks, mags, scales, xbs, isa)
             out = int8._ptr(context, builder, sig.args[oa], args[oa], args[7], V32)
             builder.store(int8._sum(builder, halves), out, align=4)
         return context.get_dummy_value()
@@ -177,21 +170,70 @@ def dot16x2(typingctx, w, wo, s, so, x, xo, out, oo, u, uo, out_u, isa):
     return types.void(w, wo, s, so, x, xo, out, oo, u, uo, out_u, isa), _dot16_codegen(2)
 
 
+def _group_load(context, builder, sig, args, b, g, isa):
+    """int8.PassWeights.load for SUB16: group g's block b, its weights (int8 block tiles at
+    tile_dots' q) and its two halves' scales (scale tiles at tile_dots' m), |w| once."""
+    intp = context.get_value_type(types.intp)
+    R = TILE_ROWS
+    wo = builder.add(builder.mul(b, ir.Constant(intp, R * QK)), ir.Constant(intp, g * GROUP * QK))
+    so = builder.add(builder.mul(b, ir.Constant(intp, 2 * R)),
+                     ir.Constant(intp, g * 2 * GROUP))
+    chunks = _load(context, builder, sig.args[0], args[0], wo, QK, V8, QK // CHUNK)
+    scales = _load(context, builder, sig.args[6], args[6], so, GROUP, V8S, 2)
+    mags = [int8.psign(builder, c, c) for c in chunks] if isa != int8.PORTABLE else None
+    return (chunks, mags, scales), [CHUNK * c for c in range(QK // CHUNK)]
+
+
+def _group_dot(builder, state, xbs, isa):
+    """int8.PassWeights.dot for SUB16: the two scaled halves summed, as dot16."""
+    chunks, mags, scales = state
+    return int8._sum(builder, _halves(builder, chunks, mags, scales, xbs, isa))
+
+
+def _halves(builder, chunks, mags, scales, xbs, isa):
+    """<8 x i32> sc_h,r * (half h's dot) of the 8 rows, h = 0, 1."""
+    half = {int8.AVX2_DOT: _half_avx2, int8.VNNI_DOT: _half_vnni}.get(isa)
+    out = []
+    for h in range(2):
+        part = slice(h * CHUNKS, (h + 1) * CHUNKS)
+        if half is not None:
+            out.append(half(builder, mags[part], chunks[part], xbs[part], scales[h]))
+        else:
+            out.append(_half_generic(builder, chunks[part], xbs[part], scales[h]))
+    return out
+
+
+int8.PASS_WEIGHTS[int8.SUB16] = int8.PassWeights(QK, _group_load, _group_dot)
+
+
 # --- the tile kernel ---------------------------------------------------------------------------
 
 
-def tile_kernel(isa: int = int8.ISA):
-    """The parallel kernel(xq, xd, q, s, d, out) for int8 block tiles q with scale tiles s and
-    per-block d: int8.tile_kernel's loops (threads split the tiles, tokens in pairs sharing
-    one weight load) and its SCALE term. The closure holds plain values only (numba's disk
-    cache, see int8.tile_kernel), so the loops cannot take the dot as an argument: they are
-    int8.tile_kernel's with dot16 / dot16x2 (and their scale offsets) in place of dot8 / dot8x2.
-    One shared loop would need one intrinsic with a literal mode over both modules' codegen."""
-    R = TILE_ROWS
+def tile_kernel(isa: int = int8.ISA, in_registers: bool | None = None):
+    """The parallel kernel(xq, xd, xsum, q, d, s, out) for int8 block tiles q with scale tiles
+    s and per-block d, with int8.py's SCALE term (xsum unread). in_registers (None:
+    int8.REGISTER_SUMS): int8.py's register kernel, whose passes read the weights through
+    this module's PASS_WEIGHTS entry (tokens in fours, then a pair, then one); else the memory
+    kernel below (tokens in pairs sharing one weight load, int32 dots and float32 sums in
+    memory). Either way the same bits. The register kernel is an entry of int8.py's numba
+    cache with this module's codegen compiled in, and numba renews an entry only when its own
+    file changes: after editing this module in a checkout, delete the __pycache__/*.nbi
+    files."""
     isa = int(isa)
+    if int8.REGISTER_SUMS if in_registers is None else in_registers:
+        return int8._register_kernel(int8.SUB16, isa, SCALE)
+    return _memory_kernel(isa)
+
+
+def _memory_kernel(isa: int):
+    """`tile_kernel` with its dots and sums in memory: int8.py's memory kernel's loops with
+    dot16 / dot16x2 (and their scale offsets) in place of dot8 / dot8x2. The closure holds
+    plain values only (numba's disk cache, see int8.tile_kernel), so the loops cannot take the
+    dot as an argument."""
+    R = TILE_ROWS
 
     @njit(parallel=True, cache=True, nogil=True)
-    def kernel(xq, xd, q, s, d, out):
+    def kernel(xq, xd, xsum, q, d, s, out):
         T, K = xq.shape
         N = out.shape[1]
         accs = np.empty((q.shape[0], 2, R), dtype=np.float32)
@@ -258,8 +300,8 @@ def _unpack_rows(tiles: IntTiles, ids: np.ndarray | slice,
 
 
 def _matmul(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
-    xq, xd, _ = int8.quantize(x)
-    KERNEL(xq, xd, tiles.q, tiles.s, tiles.d, out)
+    xq, xd, xsum = int8.quantize(x)
+    KERNEL(xq, xd, xsum, tiles.q, tiles.d, tiles.s, out)
 
 
 def _matmul_numpy(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
