@@ -11,7 +11,7 @@ import pytest
 from quant_data import BLOCK_FORMATS, assert_bits_equal, edge_raw, quantized, reference
 
 from cfr_atlas.errors import ConfigError
-from cfr_atlas.quant import QType, QuantWeight, int8, q4_0, q4_1, q8_0
+from cfr_atlas.quant import QType, QuantWeight, int8, int8_sub16, q4_0, q4_1, q8_0
 from cfr_atlas.quant.tiles import TILE_ROWS, to_tiles
 from cfr_atlas.quant.weight import CODECS, INT8_CODECS, INT8_FIELDS, INT8_SUB16
 
@@ -305,13 +305,21 @@ def test_every_dot_and_kernel_gives_the_same_bits(bits, term):
             assert_bits_equal(got[0], other)
 
 
-def test_register_sums_where_there_are_32_vector_registers():
-    """The kernel keeps its sums in registers where the target has AVX-512's 32 vector
-    registers, else the memory kernel (which ran faster with 16: int8.REGISTER_SUMS)."""
-    assert int8.REGISTER_SUMS == int8._target_has("avx512f")
-    default = int8.tile_kernel(4, int8.OFFSET8)
-    assert default.py_func.__qualname__.split(".")[0] == (
-        "_register_kernel" if int8.REGISTER_SUMS else "_memory_kernel")
+def test_register_sums_with_vnni_on_32_vector_registers():
+    """The kernel keeps its sums in registers for vpdpbusd dots on a target with AVX-512's 32
+    vector registers, else the memory kernel (which ran faster with 16 registers, and for
+    int8 weights with AVX2's dots: int8.REGISTER_SUMS); Q6_K / Q3_K follow the same rule."""
+    assert int8.REGISTER_SUMS == (int8.VNNI and int8._target_has("avx512f", "avx512vnni",
+                                                                  "avx512vl"))
+
+    def kind(kernel):
+        return kernel.py_func.__qualname__.split(".")[0]
+
+    for isa in int8.ISAS:
+        want = "_register_kernel" if int8.REGISTER_SUMS and isa == int8.VNNI_DOT \
+            else "_memory_kernel"
+        assert kind(int8.tile_kernel(4, int8.OFFSET8, isa=isa)) == want
+        assert kind(int8_sub16.tile_kernel(isa=isa)) == want
 
 
 @pytest.mark.parametrize("bits, term", [(8, int8.SCALE), (4, int8.OFFSET8), (4, int8.MIN),

@@ -742,11 +742,19 @@ def tile_dots(typingctx, q, xq, t, xd, xsum, d, m, acc, bits, isa, term, tokens)
     return types.void(q, xq, t, xd, xsum, d, m, acc, bits, isa, term, tokens), _tile_dots_codegen
 
 
-# Whether the tile kernel keeps its sums in registers (`tile_kernel`): with AVX-512's 32 vector
-# registers. With 16 (AVX2, AVX-VNNI) four tokens' sums of a whole tile spill, and the block
-# dots through memory ran faster (haswell as numba's target on this AMD EPYC Zen 4: 1.05-1.17x
-# the memory kernel's time from four tokens up; docs/PERFORMANCE.md, session 44).
-REGISTER_SUMS = _target_has("avx512f")
+# Whether the tile kernel's vpdpbusd dots keep their sums in registers (`tile_kernel`): with
+# AVX-512's 32 vector registers. With 16 (AVX-VNNI, or AVX2's dots: haswell as numba's target
+# on this AMD EPYC Zen 4) four tokens' sums of a whole tile spill, and the block dots through
+# memory ran faster (1.05-1.17x the memory kernel's time from four tokens up). AVX2's dots on
+# 32 registers (the same machine's target with the AVX2 dots) gained for nibbles (0.84-0.98x)
+# but lost for int8 weights (1.06-1.24x: their sign handling), so they keep the memory kernel
+# too (docs/PERFORMANCE.md, session 44).
+REGISTER_SUMS = VNNI and _target_has("avx512f", "avx512vnni", "avx512vl")
+
+
+def registers_for(isa: int) -> bool:
+    """Whether `tile_kernel`'s default for isa keeps the sums in registers (REGISTER_SUMS)."""
+    return REGISTER_SUMS and isa == VNNI_DOT
 
 
 def tile_kernel(bits: int, term: int, isa: int = ISA, in_registers: bool | None = None):
@@ -756,7 +764,8 @@ def tile_kernel(bits: int, term: int, isa: int = ISA, in_registers: bool | None 
     fours (then a pair, then one), one pass over the tile's blocks in order, one weight load
     and unpack serving all the tokens, every operation of any token the one a lone token
     performs (four per load: Q5_0 prefill matmuls 1.24x, Q8_0 1.09x, Q4_1 the same, against
-    pairs). in_registers (None: REGISTER_SUMS) picks how a pass keeps its sums:
+    pairs). in_registers (None: REGISTER_SUMS and isa VNNI_DOT) picks how a pass keeps its
+    sums:
     - True: `tile_dots`, the pass one compiled loop whose float32 sums stay in registers;
     - False: the dots of a block's 8-row groups (dot8x4, dot8x2, dot8) stored as int32 and
       their terms added into float32 sums in memory (`_add_terms`).
@@ -768,7 +777,7 @@ def tile_kernel(bits: int, term: int, isa: int = ISA, in_registers: bool | None 
     so a closure over one was compiled anew by every process: ~3 s of each int8 start)."""
     bits, isa = int(bits), int(isa)
     term = int(term) | (FLIP if dot_offset(bits, isa) else 0)
-    if REGISTER_SUMS if in_registers is None else in_registers:
+    if registers_for(isa) if in_registers is None else in_registers:
         return _register_kernel(bits, isa, term)
     return _memory_kernel(bits, isa, term)
 

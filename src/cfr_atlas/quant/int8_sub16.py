@@ -212,7 +212,7 @@ int8.PASS_WEIGHTS[int8.SUB16] = int8.PassWeights(QK, _group_load, _group_dot)
 def tile_kernel(isa: int = int8.ISA, in_registers: bool | None = None):
     """The parallel kernel(xq, xd, xsum, q, d, s, out) for int8 block tiles q with scale tiles
     s and per-block d, with int8.py's SCALE term (xsum unread). in_registers (None:
-    int8.REGISTER_SUMS): int8.py's register kernel, whose passes read the weights through
+    int8.registers_for(isa)): int8.py's register kernel, whose passes read the weights through
     this module's PASS_WEIGHTS entry (tokens in fours, then a pair, then one); else the memory
     kernel below (tokens in pairs sharing one weight load, int32 dots and float32 sums in
     memory). Either way the same bits. The register kernel is an entry of int8.py's numba
@@ -220,7 +220,7 @@ def tile_kernel(isa: int = int8.ISA, in_registers: bool | None = None):
     file changes: after editing this module in a checkout, delete the __pycache__/*.nbi
     files."""
     isa = int(isa)
-    if int8.REGISTER_SUMS if in_registers is None else in_registers:
+    if int8.registers_for(isa) if in_registers is None else in_registers:
         return int8._register_kernel(int8.SUB16, isa, SCALE)
     return _memory_kernel(isa)
 
