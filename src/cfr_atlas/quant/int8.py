@@ -463,17 +463,22 @@ def _weight_chunks(builder, raw, bits):
     return lows + highs, starts + [QK // 2 + j for j in starts]
 
 
+def _group_chunks(context, builder, w_t, w, wo, bits):
+    """The chunk vectors of the 8-row group's block at w[wo:] (block tiles), loaded and
+    unpacked, with each chunk's first weight (`_weight_chunks`)."""
+    raw = [builder.load(_ptr(context, builder, w_t, w,
+                             builder.add(wo, ir.Constant(wo.type, c * QK)), V8), align=1)
+           for c in range(UNIT[bits] // CHUNK)]
+    return _weight_chunks(builder, raw, bits)
+
+
 def _dot8_codegen(tokens: int):
     """Codegen of dot8 / dot8x2 / dot8x4 for their literal (bits, isa) arguments: the weights
     loaded and unpacked once, then each token's dots."""
 
     def codegen(context, builder, sig, args):
         bits, isa = sig.args[-2].literal_value, sig.args[-1].literal_value
-        w_t, w, wo = sig.args[0], args[0], args[1]
-        raw = [builder.load(_ptr(context, builder, w_t, w,
-                                 builder.add(wo, ir.Constant(wo.type, c * QK)), V8), align=1)
-               for c in range(UNIT[bits] // CHUNK)]
-        chunks, starts = _weight_chunks(builder, raw, bits)
+        chunks, starts = _group_chunks(context, builder, sig.args[0], args[0], args[1], bits)
         # (activation array, offset, output array) per token; the outputs share offset oo
         for xa, xo, oa in ((2, 3, 4), (6, 7, 8), (9, 10, 11), (12, 13, 14))[:tokens]:
             xbs = [_broadcast(context, builder, sig.args[xa], args[xa], args[xo], j)
@@ -639,37 +644,35 @@ class PassWeights(NamedTuple):
     """How a register pass reads one 8-row group's block of a kind of weights (the `bits`
     literal of `tile_dots`): UNIT's 4, 5 and 8 here, SUB16 registered by int8_sub16.py."""
 
-    unit: int  # bytes of one row's block in the block tiles
     # (context, builder, sig, args, b, g, isa) -> (state, activation offsets to broadcast):
     # loads (and unpacks) group g's block b; sig and args are tile_dots' (m: the scales it
     # reads, if any)
     load: Callable
     dot: Callable  # (builder, state, broadcasts, isa) -> <8 x i32> the rows' dots
+    m_types: tuple  # numba dtypes tile_dots' m may have for these weights
 
 
 SUB16 = 16  # `tile_dots`' bits for int8_sub16's weights (Q6_K, Q3_K: scaled halves)
-PASS_WEIGHTS: dict[int, PassWeights] = {}
+_SCALE_TYPES = (types.float32, types.uint16)  # float32 scales, or float16 bits (`_scales`)
 
 
-def _block_tile_load(bits: int):
+def _block_tile_weights(bits: int) -> PassWeights:
+    """PassWeights of this module's block tiles of `bits`-bit weights."""
+
     def load(context, builder, sig, args, b, g, isa):
         intp = context.get_value_type(types.intp)
         unit = UNIT[bits]
         wo = builder.add(builder.mul(b, ir.Constant(intp, TILE_ROWS * unit)),
                          ir.Constant(intp, g * GROUP * unit))
-        raw = [builder.load(_ptr(context, builder, sig.args[0], args[0],
-                                 builder.add(wo, ir.Constant(intp, c * QK)), V8), align=1)
-               for c in range(unit // CHUNK)]
-        return _weight_chunks(builder, raw, bits)
+        return _group_chunks(context, builder, sig.args[0], args[0], wo, bits)
 
-    return load
+    def dot(builder, chunks, xbs, isa):
+        return _dot_chunks(builder, chunks, xbs, bits, isa)
+
+    return PassWeights(load, dot, _SCALE_TYPES)
 
 
-for _bits in UNIT:
-    PASS_WEIGHTS[_bits] = PassWeights(
-        UNIT[_bits], _block_tile_load(_bits),
-        functools.partial(lambda builder, chunks, xbs, isa, bits: _dot_chunks(
-            builder, chunks, xbs, bits, isa), bits=_bits))
+PASS_WEIGHTS: dict[int, PassWeights] = {bits: _block_tile_weights(bits) for bits in UNIT}
 
 
 def _tile_dots_codegen(context, builder, sig, args):
@@ -733,11 +736,10 @@ def tile_dots(typingctx, q, xq, t, xd, xsum, d, m, acc, bits, isa, term, tokens)
     arrays = (isinstance(a, types.Array) and a.layout == "C" for a in (q, xq, xd, xsum, d, m, acc))
     if not literal or not all(arrays) or bits.literal_value not in PASS_WEIGHTS:
         return None
-    scales = (types.float32, types.uint16)
-    m_ok = m.dtype == types.int8 if bits.literal_value == SUB16 else m.dtype in scales
+    m_ok = m.dtype in PASS_WEIGHTS[bits.literal_value].m_types
     if not literal_isa(isa) or xq.ndim != 2 or xq.dtype != types.int8 or not m_ok \
             or xd.dtype != types.float32 or xsum.dtype != types.int32 \
-            or acc.dtype != types.float32 or d.dtype not in scales:
+            or acc.dtype != types.float32 or d.dtype not in _SCALE_TYPES:
         return None  # the loads below assume these element types, contiguous
     return types.void(q, xq, t, xd, xsum, d, m, acc, bits, isa, term, tokens), _tile_dots_codegen
 
@@ -875,4 +877,3 @@ def _memory_kernel(bits: int, isa: int, term: int):
                 out[t, n0:n0 + lanes] = acc[:lanes]
 
     return kernel
-

@@ -131,15 +131,22 @@ def _load(context, builder, ary_t, ary, offset, step, vec, count):
                          align=1) for i in range(count)]
 
 
+def _group_weights(context, builder, w_t, w, wo, s_t, s, so, isa):
+    """The 8-row group's block at w[wo:] (int8 block tiles) and its halves' scales at s[so:]:
+    (chunk vectors, their |w| (None for PORTABLE), the two halves' scale vectors)."""
+    chunks = _load(context, builder, w_t, w, wo, QK, V8, QK // CHUNK)
+    scales = _load(context, builder, s_t, s, so, GROUP, V8S, 2)
+    mags = [int8.psign(builder, c, c) for c in chunks] if isa != int8.PORTABLE else None
+    return chunks, mags, scales
+
+
 def _dot16_codegen(tokens: int):
     """Codegen of dot16 / dot16x2 for their literal isa argument (int8.ISAS)."""
 
     def codegen(context, builder, sig, args):
         isa = sig.args[-1].literal_value
-        chunks = _load(context, builder, sig.args[0], args[0], args[1], QK, V8, QK // CHUNK)
-        scales = _load(context, builder, sig.args[2], args[2], args[3], GROUP, V8S, 2)
-        # |w|, for both tokens
-        mags = [int8.psign(builder, c, c) for c in chunks] if isa != int8.PORTABLE else None
+        chunks, mags, scales = _group_weights(context, builder, sig.args[0], args[0], args[1],
+                                              sig.args[2], args[2], args[3], isa)
         for xa, xo, oa in ((4, 5, 6), (8, 9, 10))[:tokens]:
             xbs = [int8._broadcast(context, builder, sig.args[xa], args[xa], args[xo], CHUNK * c)
                    for c in range(QK // CHUNK)]
@@ -178,10 +185,9 @@ def _group_load(context, builder, sig, args, b, g, isa):
     wo = builder.add(builder.mul(b, ir.Constant(intp, R * QK)), ir.Constant(intp, g * GROUP * QK))
     so = builder.add(builder.mul(b, ir.Constant(intp, 2 * R)),
                      ir.Constant(intp, g * 2 * GROUP))
-    chunks = _load(context, builder, sig.args[0], args[0], wo, QK, V8, QK // CHUNK)
-    scales = _load(context, builder, sig.args[6], args[6], so, GROUP, V8S, 2)
-    mags = [int8.psign(builder, c, c) for c in chunks] if isa != int8.PORTABLE else None
-    return (chunks, mags, scales), [CHUNK * c for c in range(QK // CHUNK)]
+    state = _group_weights(context, builder, sig.args[0], args[0], wo, sig.args[6], args[6], so,
+                           isa)
+    return state, [CHUNK * c for c in range(QK // CHUNK)]
 
 
 def _group_dot(builder, state, xbs, isa):
@@ -203,7 +209,7 @@ def _halves(builder, chunks, mags, scales, xbs, isa):
     return out
 
 
-int8.PASS_WEIGHTS[int8.SUB16] = int8.PassWeights(QK, _group_load, _group_dot)
+int8.PASS_WEIGHTS[int8.SUB16] = int8.PassWeights(_group_load, _group_dot, (types.int8,))
 
 
 # --- the tile kernel ---------------------------------------------------------------------------
