@@ -245,23 +245,27 @@ class ExpertStore:
         self.source.advise(layer, [e for _, e in keys])
 
     def _run(self, layer: int, turn: Turn):
-        loaded = {key for key, _ in turn.loads}
-        for key, slot in turn.loads:
-            self._load(key, slot)
+        """The turn's experts in order, each leased while the caller computes with it. The
+        plan puts resident experts first, so they compute while the reads of the turn's loads
+        (all asked for when the step began) are in flight; each load is written just before
+        its expert computes, so every product overlaps the reads of the loads after it."""
+        loads = dict(turn.loads)
         with self.lock:
-            slots_ = [self.slot_of[(layer, e)] for e in turn.experts]
-            self.telemetry.hits += sum((layer, e) not in loaded for e in turn.experts)
-            for s in slots_:
-                self.leases[s] += 1
-                self.policy.touch(self.key_of[s])
-        try:
-            for e, s in zip(turn.experts, slots_, strict=True):
-                yield (e, *self.weights[s])
-        finally:
+            self.telemetry.hits += sum((layer, e) not in loads for e in turn.experts)
+        for e in turn.experts:
+            key = (layer, e)
+            if key in loads:
+                self._load(key, loads[key])
             with self.lock:
-                for s in slots_:
+                s = self.slot_of[key]
+                self.leases[s] += 1
+                self.policy.touch(key)
+            try:
+                yield (e, *self.weights[s])
+            finally:
+                with self.lock:
                     self.leases[s] -= 1
-                self.lock.notify_all()
+                    self.lock.notify_all()
 
     def _plan_slots(self, layer: int, turns: list[Turn]) -> set[int]:
         loaded, used = {}, set()  # the plan's loads so far override the resident table
