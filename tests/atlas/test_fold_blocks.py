@@ -1,8 +1,13 @@
 """The fold's register-blocked sums (fold_blocks.py) against plain float32 NumPy loops, bit for
-bit: every output element is the same products and sums in the same order, so a blocked page
-is the loops' page exactly, for every storage format, group count, offset and stride."""
+bit: every output element is the same fused multiply-adds in the same order, so a blocked page
+is the loops' page exactly, for every storage format, group count, offset and stride. The
+loops' fused multiply-add is `fma32_numpy`, held here to exact rational arithmetic, and the
+kernels' scalar `fma32` to it; the page's maximum (`max_run`) and weight sum (`sum_run`) to
+NumPy's maximum and to the sum's twin."""
 
 from __future__ import annotations
+
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -43,8 +48,8 @@ def test_score_blocks_are_the_plain_loop(dtype, groups):
         n = n_blocks * fb.KEYS
         for g in range(groups):
             acc = np.zeros(n, dtype=np.float32)
-            for e in range(D):  # in order, one float32 rounding per product and per sum
-                acc = acc + q[g, e] * kw[e, j0:j0 + n]
+            for e in range(D):  # in order, one float32 rounding per fused multiply-add
+                acc = fb.fma32_numpy(q[g, e], kw[e, j0:j0 + n], acc)
             want[g, :n] = acc
         assert np.array_equal(s.view(np.uint32), want.view(np.uint32)), (j0, n_blocks)
 
@@ -67,9 +72,80 @@ def test_value_blocks_are_the_plain_loop(dtype, groups):
         for g in range(groups):
             a = want[g, cols].copy()
             for j in range(n):  # keys in order
-                a = a + p[g, j] * vw[j0 + j, cols]
+                a = fb.fma32_numpy(p[g, j], vw[j0 + j, cols], a)
             want[g, cols] = a
         assert np.array_equal(acc.view(np.uint32), want.view(np.uint32)), (j0, n, e0)
+
+
+def _fma_exact(a, b, c) -> np.float32:
+    """float32(a * b + c) rounded once, to nearest even, from exact rationals."""
+    x = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    if abs(x) >= 2**128 - 2**103:  # past the largest float32 by half an ulp or more
+        return np.float32(np.inf if x > 0 else -np.inf)
+    lo = np.float32(float(x))  # float(x) rounds once to float64; find the float32 neighbours
+    below = lo if Fraction(float(lo)) <= x else np.nextafter(lo, np.float32(-np.inf))
+    above = np.nextafter(below, np.float32(np.inf))
+    d_lo, d_hi = x - Fraction(float(below)), Fraction(float(above)) - x
+    if d_lo != d_hi:
+        return below if d_lo < d_hi else above
+    return below if (int(below.view(np.uint32)) & 1) == 0 else above
+
+
+# a * b on a float32 midpoint (1 + 2**-11 + 2**-24), c far below float64's ulp there: rounding
+# the float64 sum to float32 would tie to even, the fused result is on c's side
+_TIES = [(1 + 2.0**-12, 1 + 2.0**-12, 2.0**-80), (1 + 2.0**-12, 1 + 2.0**-12, -(2.0**-80)),
+         (-(1 + 2.0**-12), 1 + 2.0**-12, 2.0**-80), (3.0, 1 / 3, -1.0), (0.0, -1.0, 0.0),
+         (2.0**-70, 2.0**-70, 2.0**-149), (1e30, 1e30, 1.0)]
+
+
+@njit
+def _fma_all(a, b, c, out):
+    for i in range(a.size):
+        out[i] = fb.fma32(a[i], b[i], c[i])
+
+
+def test_fma32_is_the_exactly_rounded_fused_multiply_add():
+    rng = np.random.default_rng(3)
+    n = 4000
+    a = (rng.standard_normal(n) * np.exp2(rng.integers(-20, 20, n))).astype(np.float32)
+    b = (rng.standard_normal(n) * np.exp2(rng.integers(-20, 20, n))).astype(np.float32)
+    c = (-(a.astype(np.float64) * b) * (1 + rng.standard_normal(n) * 2.0**-20)).astype(np.float32)
+    c[::3] = rng.standard_normal(n)[::3].astype(np.float32)  # cancellation and plain sums
+    ties = np.array(_TIES, dtype=np.float32)
+    a, b, c = (np.concatenate([x, ties[:, i]]) for i, x in enumerate((a, b, c)))
+    emulated = fb.fma32_numpy(a, b, c)
+    sample = list(range(0, n, 7)) + list(range(n, a.size))
+    exact = np.array([_fma_exact(a[i], b[i], c[i]) for i in sample], dtype=np.float32)
+    assert np.array_equal(emulated[sample].view(np.uint32), exact.view(np.uint32))
+    with np.errstate(over="ignore"):  # the double rounding the ties hit
+        naive = (a.astype(np.float64) * b + c).astype(np.float32)
+    assert not np.array_equal(naive[n:n + 2], emulated[n:n + 2])
+    kernel = np.empty_like(a)
+    _fma_all(a, b, c, kernel)
+    assert np.array_equal(kernel.view(np.uint32), emulated.view(np.uint32))
+
+
+@njit
+def _max_of(s, n):
+    return fb.max_run(s, n)
+
+
+@njit
+def _sum_of(p, n):
+    return fb.sum_run(p, n)
+
+
+def test_max_run_and_sum_run_on_every_length_and_offset():
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal(300) * 5).astype(np.float32)
+    for off in (0, 1, 5):
+        for n in range(1, 120):
+            row = x[off:off + n]
+            assert _max_of(row, n) == row.max(), (off, n)
+            got, want = _sum_of(row, n), fb.sum_run_numpy(row, n)
+            assert np.float64(got).view(np.uint64) == np.float64(want).view(np.uint64), (off, n)
+            assert abs(got - row.astype(np.float64).sum()) <= 1e-12 * np.abs(row).sum()
+    assert _sum_of(x, 0) == 0.0
 
 
 @njit

@@ -249,31 +249,6 @@ def test_item_keys_count_each_items_pairs(case, lo, cut):
     assert got == _keys_by_item(q, qpos, n_pg, span, score[3], P).tolist()
 
 
-def test_weight_sums_are_the_one_group_loop():
-    """`_weight_sums` (four groups' float64 sums side by side) gives every group the bits of
-    the plain loop lsum = l; lsum += float64(p[g, j]) for j in order, for 1 to 9 groups."""
-    rng = np.random.default_rng(4)
-
-    @numba.njit
-    def sums(p, n, lg):
-        fold._weight_sums(p, n, lg)
-
-    for n_grp in range(1, 10):
-        for n in (1, 2, 5, 17, 256):
-            p = (rng.random((n_grp, 256)) ** 8 * 10.0 ** rng.integers(-30, 5, (n_grp, 256))
-                 ).astype(np.float32)
-            start = rng.random(n_grp) * 1e3
-            lg = start.copy()
-            sums(p, n, lg)
-            want = start.copy()
-            for g in range(n_grp):
-                acc = start[g]
-                for j in range(n):
-                    acc = acc + np.float64(p[g, j])
-                want[g] = acc
-            assert np.array_equal(lg, want), (n_grp, n)
-
-
 @pytest.mark.parametrize("lanes", [1, 2, 3, 7, 64])
 @pytest.mark.parametrize("case", ["plain", "all"])
 def test_any_lane_count_folds_the_same_bits(all_threads, case, lanes):

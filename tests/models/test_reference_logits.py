@@ -27,8 +27,11 @@ stored entries and their root mean square, engine against each reference:
     engine float16     1.49e-2 / 1.58e-3         3.40e-2 / 2.45e-3
     engine float32     3.31e-2 / 2.49e-3         6.26e-5 / 5.69e-6
 so F16_ABS_TOL = 0.03 (2x) and F16_RMS_TOL = 2e-3 (1.27x; the float32 engine and the float16
-engine against the unrounded reference both exceed it, which the test asserts); argmax equal
-at every position (measured 1024/1024; 1023 against the unrounded reference).
+engine against the unrounded reference both exceed it, which the test asserts). The argmax must
+agree wherever the float16 reference's top-2 gap exceeds 2 x F16_ABS_TOL (989 of the 1,024
+positions; the smallest gap is 6e-5, where any rounding decides). Measured 1024/1024 equal
+until session 45; with its fold (fused multiply-adds, a float32 exp) max 1.34e-2, RMS 1.54e-3,
+and one undecided position flipped.
 
 The committed files cannot rot silently: the model file's sha256 must match, and the reference
 forward pass is re-run here on the first PREFIX positions and compared with the stored numbers.
@@ -140,7 +143,13 @@ def check_float16(logits: np.ndarray, ref16: dict) -> tuple[float, float]:
     worst, rms = float(err.max()), float(np.sqrt(np.mean(err * err)))
     print(f"\n[reference float16] max |e - r| {worst:.3e}, rms {rms:.3e}")
     assert worst <= F16_ABS_TOL and rms <= F16_RMS_TOL, (worst, rms)
-    assert np.array_equal(logits.argmax(axis=1), ref16["argmax"])
+    top = ref16["top_logits"]
+    decided = top[:, 0] - top[:, 1] > 2 * F16_ABS_TOL  # no error within the bound can flip it
+    agree = logits.argmax(axis=1) == ref16["argmax"]
+    print(f"[reference float16] argmax equal at {int(agree.sum())} of {len(agree)} positions; "
+          f"{int(decided.sum())} decided by more than 2 x F16_ABS_TOL")
+    assert decided.mean() > 0.95  # the argmax check covers nearly every position
+    assert agree[decided].all()
     return worst, rms
 
 

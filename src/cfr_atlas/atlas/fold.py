@@ -16,9 +16,11 @@ Why the result never depends on the policy, the budget or the chunking: for a qu
 p the arithmetic is a pure function of (q, p, the rows of each causal page). Which array a page's
 rows come from (hot slab or regeneration scratch), how pages were batched into calls, and how many
 queries share a call change nothing. Scores are float32 (dot products
-summed over dims in order, K pages stored transposed so keys fill the vector lanes); each
-weight is rounded to float32 once and used for both l and the page's float32 sum of V rows;
-l and acc accumulate across pages in float64 (see docs/MATH.md).
+summed over dims in order by fused multiply-adds, K pages stored transposed so keys fill the
+vector lanes); each weight is a float32 exp (`exp32`) of a float32 score less the running
+maximum, used for both l (its page's weights summed in float64 in a fixed order: `sum_run`)
+and the page's float32 sum of V rows (fused multiply-adds, keys in order); l and acc
+accumulate across pages in float64 (see docs/MATH.md).
 
 V may be a view of K (MLA: K = [latent; rope key], V = latent): then every V slab has width 0
 and the fold reads V row j as the first Dv entries of K^T's column j (Dv = acc's width), so the
@@ -68,79 +70,18 @@ from cfr_atlas.atlas.fold_blocks import (
     GROUPS,
     KEYS,
     VALUE_GROUPS,
+    fma32,
+    max_run,
     score_block,
+    sum_run,
     touch_rows,
     values_block,
 )
 from cfr_atlas.atlas.page_sum import halves_sum, k_rows_sum, page_checksum_numpy, v_rows_sum
 from cfr_atlas.atlas.storage import to_f32
+from cfr_atlas.ops.activations import exp32
 
 SRC_HOT, SRC_SCRATCH, SRC_MAP = 0, 1, 2
-
-
-# exp for the per-key weights: Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, a degree-11
-# Taylor polynomial (relative error < 1e-14), then a scale by 2**n built from exponent bits.
-# Plain arithmetic, so LLVM vectorizes it and its bits are the same on every call path; inputs
-# below -708 (weights under 1e-307 next to a weight of 1) are flushed to 0.
-_LOG2E = 1.4426950408889634
-_LN2_HI, _LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10
-_EXP_FLOOR = -708.0
-# 2**k from exponent bits without a float -> int conversion (AVX2 has none for packed doubles,
-# so an int64 cast kept the loop scalar): k + 2**52 + 1023 holds k + 1023 in its low mantissa
-# bits, and shifting those bits up by 52 gives the float64 2**k.
-_EXP_BIAS = 2.0**52 + 1023.0
-
-
-@njit(cache=True, inline="always")
-def _exp_into(x, n_items, out, bits):
-    """out[j] = exp(x[j]) for j < n_items, x <= 0 (float64); bits: int64 scratch."""
-    scale = bits.view(np.float64)
-    for j in range(n_items):
-        xj = max(x[j], _EXP_FLOOR)
-        k = np.floor(xj * _LOG2E + 0.5)  # a float: no scalar float -> int64 conversion
-        r = (xj - k * _LN2_HI) - k * _LN2_LO
-        p = 1.0 / 39916800.0
-        p = p * r + 1.0 / 3628800.0
-        p = p * r + 1.0 / 362880.0
-        p = p * r + 1.0 / 40320.0
-        p = p * r + 1.0 / 5040.0
-        p = p * r + 1.0 / 720.0
-        p = p * r + 1.0 / 120.0
-        p = p * r + 1.0 / 24.0
-        p = p * r + 1.0 / 6.0
-        p = p * r + 0.5
-        p = p * r + 1.0
-        p = p * r + 1.0
-        out[j] = p if x[j] > _EXP_FLOOR else 0.0
-        scale[j] = k + _EXP_BIAS  # low bits k + 1023, exact: -1022 <= k <= 0
-    for j in range(n_items):  # 2**k: k + 1023 shifted into the exponent field
-        bits[j] = bits[j] << 52
-    for j in range(n_items):
-        out[j] *= scale[j]
-
-
-@njit(cache=True, inline="always")
-def _weight_sums(p, n, lg):
-    """lg[g] = lg[g] + p[g, 0] + p[g, 1] + ... + p[g, n - 1] for every group g: the float32
-    weights widened, summed in float64 in key order, four groups' sums side by side. Each sum
-    is one chain of dependent adds (~3 cycles each); summed a group at a time, as the
-    weights were rounded, the adder waited on each (a 256-key page of three groups, one Zen
-    4 thread: 8.3 us against 9.3 from memory, 5.4 against 5.8 in cache). Every sum's
-    operations and their order are the one-group loop's, so the bits are. A group index past
-    the last repeats the last group (its sum, stored first, is overwritten)."""
-    n_grp = lg.shape[0]
-    for g0 in range(0, n_grp, 4):
-        g1, g2, g3 = min(g0 + 1, n_grp - 1), min(g0 + 2, n_grp - 1), min(g0 + 3, n_grp - 1)
-        a0, a1, a2, a3 = lg[g0], lg[g1], lg[g2], lg[g3]
-        for j in range(n):
-            a0 += np.float64(p[g0, j])
-            a1 += np.float64(p[g1, j])
-            a2 += np.float64(p[g2, j])
-            a3 += np.float64(p[g3, j])
-        lg[g3] = a3
-        lg[g2] = a2
-        lg[g1] = a1
-        lg[g0] = a0
 
 
 @njit(cache=True, inline="always")
@@ -216,14 +157,11 @@ def _page_keys(start, n_valid, pos, low):
 
 @njit(cache=True, nogil=True)
 def _item_scratch(n_grp, page_tokens, dv):
-    """A work item's scratch (`_fold_item`), allocated once per serial call or lane: seven
+    """A work item's scratch (`_fold_item`), allocated once per serial call or lane: its
     arrays allocated per item cost ~2% of a prompt chunk's fold (a 256-token chunk after 256
     tokens, three K/V heads of three groups, one thread: 8.6 ms against 8.4)."""
     return (np.empty((n_grp, page_tokens), dtype=np.float32),  # scores
-            np.empty(page_tokens, dtype=np.float64),  # exp's arguments
-            np.empty(page_tokens, dtype=np.float64),  # exp's results
             np.empty((n_grp, page_tokens), dtype=np.float32),  # weights
-            np.empty(page_tokens, dtype=np.int64),  # exp's scale bits
             np.empty((n_grp, dv), dtype=np.float32),  # the page's V sums
             np.empty((4, dv), dtype=np.float32))  # four V rows widened to float32
 
@@ -235,9 +173,10 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state, scratch):
     (whatever it holds is overwritten before it is read).
 
     K pages are stored transposed, (D, P), so a score is a plain dot product summed over
-    dims 0..D-1 in order, vectorized across keys. Weights are rounded to float32 once; the same
-    float32 weight enters l (summed in float64) and the page's float32 weighted sum of V rows
-    (keys in order), which is then added into the float64 acc.
+    dims 0..D-1 in order (fused multiply-adds), vectorized across keys. Each weight is one
+    float32 exp32; the same float32 weight enters l (summed in float64, `sum_run`) and the
+    page's float32 weighted sum of V rows (keys in order), which is then added into the
+    float64 acc.
     """
     src, slot, expect, bad = walk
     lo, context, split, a, b = span
@@ -251,7 +190,7 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state, scratch):
     t, h, part, gp_end = _item_of(w, n_tok, n_pg, lo, split)
     pos = qpos[t]
     low = pos - window + 1 if window > 0 else 0
-    s, x, p64, p, bits, ag, v4 = scratch
+    s, p, ag, v4 = scratch
     for gp in range(max(part * split, lo), gp_end):
         f = h * n_pg + gp - lo
         if f < a or f >= b:
@@ -286,7 +225,7 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state, scratch):
                 qe = q[t, h, g, e]
                 ke = kf[e]
                 for j in range(n_blocked, n):
-                    sg[j] += qe * to_f32(ke[j0 + j], fmt)
+                    sg[j] = fma32(qe, to_f32(ke[j0 + j], fmt), sg[j])
             for j in range(n):  # then scale, softcap, ALiBi: one simple loop each
                 sg[j] = sg[j] * scale
             if softcap > 0.0:
@@ -296,30 +235,24 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state, scratch):
             if slope != 0.0:
                 for j in range(n):
                     sg[j] = sg[j] + slope * np.float32(start + j0 + j - pos)
-            mx = sg[0]
-            for j in range(1, n):
-                mx = max(mx, sg[j])
             m_old = m[t, h, part, g]
-            m_new = max(m_old, np.float64(mx))
+            m_new = max(m_old, np.float64(max_run(sg, n)))
             corr = 0.0 if m_old == -np.inf else math.exp(m_old - m_new)
-            for j in range(n):
-                x[j] = np.float64(sg[j]) - m_new
-            _exp_into(x, n, p64, bits)
-            for j in range(n):  # each weight rounded to float32 once (no sum here: vectors)
-                p[g, j] = np.float32(p64[j])
-            l[t, h, part, g] = l[t, h, part, g] * corr  # where `_weight_sums` starts
+            m32, pg = np.float32(m_new), p[g]  # m_new is a score: a float32 value
+            for j in range(n):  # the weights, float32 (exp32: vectorized)
+                pg[j] = exp32(sg[j] - m32)
+            l[t, h, part, g] = l[t, h, part, g] * corr + sum_run(pg, n)
             m[t, h, part, g] = m_new
             for e in range(dv):
                 acc[t, h, part, g, e] *= corr
                 ag[g, e] = 0.0
-        _weight_sums(p, n, l[t, h, part])
         if v_in_k:  # V = K's first dv rows of K^T: per (g, e) the same sum, keys in order
             for g in range(n_grp):
                 for e in range(dv):
                     ke = kf[e]
                     a_ge = ag[g, e]
                     for j in range(n):
-                        a_ge += p[g, j] * to_f32(ke[j0 + j], fmt)
+                        a_ge = fma32(p[g, j], to_f32(ke[j0 + j], fmt), a_ge)
                     ag[g, e] = a_ge
         else:  # each (g, e) sums keys in order: blocks of DIMS dims in registers, then the rest
             v_blocks = vf.strides[1] == vf.itemsize and vf.shape[1] == d
@@ -335,15 +268,15 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state, scratch):
                     for g in range(n_grp):
                         p0, p1, p2, p3 = p[g, j], p[g, j + 1], p[g, j + 2], p[g, j + 3]
                         for e in range(e_blocked, d):
-                            ag[g, e] = (((ag[g, e] + p0 * v4[0, e]) + p1 * v4[1, e])
-                                        + p2 * v4[2, e]) + p3 * v4[3, e]
+                            ag[g, e] = fma32(p3, v4[3, e], fma32(p2, v4[2, e], fma32(
+                                p1, v4[1, e], fma32(p0, v4[0, e], ag[g, e]))))
                 for j in range(n4, n):  # the last n % 4 keys, one at a time
                     for e in range(e_blocked, d):
                         v4[0, e] = to_f32(vf[j0 + j, e], fmt)
                     for g in range(n_grp):
                         pj = p[g, j]
                         for e in range(e_blocked, d):
-                            ag[g, e] += pj * v4[0, e]
+                            ag[g, e] = fma32(pj, v4[0, e], ag[g, e])
         for g in range(n_grp):
             for e in range(dv):
                 acc[t, h, part, g, e] += np.float64(ag[g, e])
