@@ -12,6 +12,9 @@ a direct block would otherwise read what the cached block before it left in the 
 from memory (an early version did, and flattered direct reads ~1.5x). The first WARM_TOKENS
 tokens of each block are not counted (the cached way's page cache fills meanwhile).
 A token's read rate is the store's bytes read over its wall time, compute included; the
+read cost rate is the median bytes over the median token less the all-resident run's median
+token (`reference` returns it: the compute every token does whatever is resident; reads that
+overlap compute cost no time, so this can pass the disk's rate); the
 sequential read is page_cache.sequential_read of as many bytes from a dropped cache, outside the
 cgroup, before and after (median of those). The logits of the whole decode must equal the
 all-resident run's (`reference`).
@@ -43,7 +46,7 @@ def pressure_rows(model, path, ids, make_store, room: int, blocks: int, block_to
     if why is not None:
         return [{"reads": arm, "skipped": why} for arm in ARMS]
     n = blocks * len(ARMS) * block_tokens
-    base = reference(n)
+    base, resident_ms = reference(n)
     store = make_store()
     k = model.net.config.n_experts_used
     store.pool.fill(0)  # touched before entering: the limit is all room for the decode
@@ -75,7 +78,9 @@ def pressure_rows(model, path, ids, make_store, room: int, blocks: int, block_to
         ms, mb = float(np.median(t[:, 0])) * 1e3, float(np.median(t[:, 1])) / 1e6
         out.append({"reads": arm, "tokens": len(t), "token_ms": ms, "read_mb": mb,
                     "read": mb / ms, "seq": seq_med, "seq_range": (min(seq), max(seq)),
-                    "vs_seq": mb / ms / seq_med, "room": room, "peak": peak,
+                    "vs_seq": mb / ms / seq_med, "resident_ms": resident_ms,
+                    "cost_vs_seq": (mb / (ms - resident_ms) / seq_med if ms > resident_ms
+                                     else float("inf")), "room": room, "peak": peak,
                     "file": os.path.getsize(path), "exact": exact,
                     "loadavg": os.getloadavg()[0]})
     return out
@@ -104,9 +109,10 @@ def pressure_table(rows, budget: str) -> str:
             f"{(r0['peak'] or 0) / 2**20:.0f} MiB), file {r0['file'] / 2**20:.0f} MiB; "
             f"sequential read {r0['seq']:.2f} GB/s ({r0['seq_range'][0]:.2f}-"
             f"{r0['seq_range'][1]:.2f}), load {r0['loadavg']:.1f}\n\n")
-    out = ["| reads | tokens | read/token MB | token ms | read GB/s | read / sequential | "
-           "exact |", "|---" * 7 + "|"]
+    out = ["| reads | tokens | read/token MB | token ms | all-resident token ms | read GB/s | "
+           "read / sequential | read cost rate / sequential | exact |", "|---" * 9 + "|"]
     for r in rows:
         out.append(f"| {r['reads']} | {r['tokens']} | {r['read_mb']:.1f} | {r['token_ms']:.1f} "
-                   f"| {r['read']:.2f} | {r['vs_seq']:.2f} | {'yes' if r['exact'] else 'NO'} |")
+                   f"| {r['resident_ms']:.1f} | {r['read']:.2f} | {r['vs_seq']:.2f} | "
+                   f"{r['cost_vs_seq']:.2f} | {'yes' if r['exact'] else 'NO'} |")
     return head + "\n".join(out)

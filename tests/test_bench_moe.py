@@ -26,7 +26,7 @@ def test_quick_run_prints_table_and_every_row_is_exact(load_benchmark, tmp_path,
     assert rows[-1]["decode_read_per_token"] > 0  # the smallest pool reads while decoding
     cold = out[out.index("Cold decode, token by token"):out.index("Decode under memory")]
     assert "| min (2 slots) | cached | 4 |" in cold and "| NO |" not in cold  # token by token
-    assert "| min (2 slots) | direct" in cold
+    assert "| min (2 slots) | direct" in cold and "read cost rate / sequential" in cold
     pressed = out[out.index("Decode under memory"):out.index("Expert loads alone")]
     assert "(skipped: " in pressed or (
         "| cached | " in pressed and "| direct | " in pressed and "| NO |" not in pressed)
@@ -41,3 +41,12 @@ def test_a_cold_budget_that_reads_nothing_is_a_row_not_a_crash(load_benchmark, c
                        "--cold-budgets", "100%", "--pressure-budgets", ""]) == 0
     out = capsys.readouterr().out
     assert "| 100% | cached | 0 (every token's experts resident: nothing read) |" in out
+
+
+def test_the_read_cost_rate_is_bytes_over_the_time_reads_added(load_benchmark):
+    """A token of 20 ms whose all-resident twin takes 10 ms read 10 MB in the 10 ms its reads
+    added: 1 GB/s, 0.5 of a 2 GB/s disk; reads that added no time are an infinite rate, not a
+    division by zero."""
+    bench = load_benchmark("bench_moe")
+    assert bench._reads_share(10.0, 20.0, 10.0, 2.0) == 0.5
+    assert bench._reads_share(10.0, 9.0, 10.0, 2.0) == float("inf")
