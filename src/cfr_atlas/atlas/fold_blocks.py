@@ -437,3 +437,53 @@ def sum_run_numpy(p: np.ndarray, n: int) -> float:
     for j in range(n_vec * step, n):
         total = total + x[j]
     return float(total)
+
+
+@intrinsic
+def touch_pair(typingctx, a, col0, n_cols, b, row0, n_rows):
+    """`touch_rows(a, col0, n_cols)` and a read of every cache line of rows row0 .. row0 +
+    n_rows - 1 of the 2-D array b (contiguous rows), a line of each in turn (then b's lines
+    left over). A decode query's page comes from memory twice over, K^T for the scores and V
+    for the values; streamed one after the other, each waits on its own misses, and two
+    streams side by side keep more of them in flight: a decode query's fold over 30 layers of
+    K/V from memory took 0.89-0.94x at 2,048 tokens and 0.90-0.94x at 6,000 (paired in one
+    process). Reads only: no result changes."""
+    def codegen(context, builder, sig, args):
+        base, (row_s, col_s), (rows, _) = _array(context, builder, sig.args[0], args[0])
+        bbase, (brow_s, _), _ = _array(context, builder, sig.args[3], args[3])
+        intp = row_s.type
+        c0 = builder.mul(context.cast(builder, args[1], sig.args[1], types.intp), col_s)
+        width = builder.mul(context.cast(builder, args[2], sig.args[2], types.intp), col_s)
+        n_lines = builder.udiv(builder.add(width, _const(intp, LINE - 1)), _const(intp, LINE))
+        b0 = builder.mul(context.cast(builder, args[4], sig.args[4], types.intp), brow_s)
+        b_bytes = builder.mul(context.cast(builder, args[5], sig.args[5], types.intp), brow_s)
+        b_lines = builder.udiv(builder.add(b_bytes, _const(intp, LINE - 1)), _const(intp, LINE))
+        b_next = cgutils.alloca_once_value(builder, _const(intp, 0))
+        seen = cgutils.alloca_once_value(builder, ir.Constant(I8, 0))
+        rows = builder.select(builder.icmp_signed(">", width, _const(intp, 0)), rows,
+                              _const(intp, 0))
+        with cgutils.for_range(builder, rows, intp=intp) as r:
+            row = builder.add(builder.mul(r.index, row_s), c0)
+            with cgutils.for_range(builder, n_lines, intp=intp) as line:
+                off = builder.add(row, builder.mul(line.index, _const(intp, LINE)))
+                builder.store(builder.or_(builder.load(seen), builder.load(
+                    builder.gep(base, [off]))), seen)
+                bl = builder.load(b_next)
+                with builder.if_then(builder.icmp_signed("<", bl, b_lines)):
+                    boff = builder.add(b0, builder.mul(bl, _const(intp, LINE)))
+                    builder.store(builder.or_(builder.load(seen), builder.load(
+                        builder.gep(bbase, [boff]))), seen)
+                    builder.store(builder.add(bl, _const(intp, 1)), b_next)
+        b_left = builder.sub(b_lines, builder.load(b_next))  # b's lines past a's count
+        b_left = builder.select(builder.icmp_signed(">", b_left, _const(intp, 0)), b_left,
+                                _const(intp, 0))
+        b_from = builder.add(b0, builder.mul(builder.load(b_next), _const(intp, LINE)))
+        with cgutils.for_range(builder, b_left, intp=intp) as line:
+            boff = builder.add(b_from, builder.mul(line.index, _const(intp, LINE)))
+            builder.store(builder.or_(builder.load(seen), builder.load(
+                builder.gep(bbase, [boff]))), seen)
+        builder.asm(ir.FunctionType(ir.VoidType(), [I8]), "", "r", [builder.load(seen)],
+                    side_effect=True)
+        return context.get_dummy_value()
+
+    return types.void(a, col0, n_cols, b, row0, n_rows), codegen
