@@ -91,3 +91,46 @@ def test_two_processes_compiling_one_function_both_get_their_kernels(tmp_path):
                             env=env, timeout=300).stdout.strip()
              for kind in ("int", "float", "complex")]
     assert again == outs
+
+
+def test_a_package_kernel_is_stamped_with_the_package_sources_and_others_are_not(tmp_path):
+    import inspect
+
+    from cfr_atlas.atlas import fold
+
+    func = fold.balanced_runs.py_func
+    ours = caching.InTreeCacheLocator.from_function(func, inspect.getfile(func))
+    stamp = ours.get_source_stamp()
+    assert isinstance(stamp, tuple) and stamp[1] == jit_cache.package_digest()
+    (tmp_path / "elsewhere.py").write_text("def f(x):\n    return x\n")
+    other = caching.UserWideCacheLocator(lambda x: x, str(tmp_path / "elsewhere.py"))
+    assert isinstance(other.get_source_stamp(), bytes)  # numba's own stamp, untouched
+
+
+def test_a_cached_kernel_is_compiled_again_when_any_package_source_changed(tmp_path):
+    """A cached kernel whose own file did not change is loaded while the package's sources
+    are the same, and compiled anew once they differ (here: a patched digest, as after an
+    update that changed another module whose code the kernel carries)."""
+    child = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from cfr_atlas import jit_cache
+        from cfr_atlas.atlas import fold
+        if sys.argv[1] == "changed":  # the stamp is taken when the cache is made: made again
+            jit_cache.package_digest = lambda: "0123456789abcdef"
+            fold.balanced_runs.enable_caching()
+        fold.balanced_runs(np.ones(5, dtype=np.int64), 2)
+        s = fold.balanced_runs.stats
+        print(sum(s.cache_hits.values()), sum(s.cache_misses.values()), flush=True)
+    """)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+
+    def run(kind):
+        out = subprocess.run([sys.executable, "-c", child, kind], capture_output=True,
+                             text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    assert run("same") == ["0", "1"]  # compiled, saved
+    assert run("same") == ["1", "0"]  # loaded from the cache
+    assert run("changed") == ["0", "1"]  # another package: compiled again

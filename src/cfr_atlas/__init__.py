@@ -38,7 +38,7 @@ from cfr_atlas.jit_cache import install as _install_cache_lock
 if TYPE_CHECKING:
     from cfr_atlas.engine import Model, load_model
 
-_install_cache_lock()  # processes take turns at numba's kernel cache (jit_cache.py)
+_install_cache_lock()  # kernels stamped with the sources; turns at the cache (jit_cache.py)
 
 __version__ = "0.1.0"
 

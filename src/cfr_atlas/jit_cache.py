@@ -15,6 +15,17 @@ cache entries. Compiling is not serialized: only these few milliseconds of file 
 process that cannot have a lock within `WAIT_S` (another stuck mid-save) goes on without it,
 after saying so. Without `fcntl` (Windows), or where the lock file cannot be created (a
 read-only cache), nothing is locked.
+
+`install()` also widens the stamp numba files a kernel under. numba keys a cached kernel by a
+hash of its own source file only, yet a kernel compiles the code of the functions it calls
+into its machine code: `decode_walk.append_fold` carries `fold._fold_item`, which carries
+`fold_blocks`' intrinsics and `ops.activations.exp32`. After an update that changes fold.py but
+not decode_walk.py, the cached `append_fold` would still hold the old fold, and the all-hot
+decode path would compute with other arithmetic than the general path (a different result
+for the same query: the batch invariance this project promises). So the stamp of every kernel
+of this package is its own file's hash and `package_digest()`, a hash of all of the package's
+sources: any change to the package's code makes every cached kernel of it stale, and they
+compile anew on first use (the first run after an update prints that it is compiling).
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import functools
 import os
 import sys
 import time
+from pathlib import Path
 
 from numba.core import caching
 
@@ -76,8 +88,46 @@ def _locked(method):
     return run
 
 
+PACKAGE = Path(__file__).resolve().parent
+
+
+@functools.cache
+def package_digest() -> str:
+    """A hash of every source file of this package (`kv.build.source_digest`), once a
+    process."""
+    from cfr_atlas.kv.build import source_digest
+
+    return source_digest(PACKAGE)
+
+
+def _in_package(path) -> bool:
+    try:
+        return Path(path).resolve().is_relative_to(PACKAGE)
+    except (OSError, TypeError, ValueError):
+        return False
+
+
+def _stamped(method):
+    """A locator's `get_source_stamp`, with `package_digest()` added for this package's
+    functions (module docstring)."""
+
+    @functools.wraps(method)
+    def stamp(self):
+        own = method(self)
+        if _in_package(getattr(self, "_py_file", None)):
+            return own, package_digest()
+        return own
+
+    stamp.cfr_atlas_stamped = True
+    return stamp
+
+
 def install() -> bool:
-    """Wrap numba's cache file `save` and `load` (once); False without fcntl."""
+    """Stamp this package's kernels with its sources' digest, and wrap numba's cache file
+    `save` and `load` in a lock (once each); False without fcntl (then only the stamp)."""
+    mixin = caching._SourceFileBackedLocatorMixin
+    if not getattr(mixin.get_source_stamp, "cfr_atlas_stamped", False):
+        mixin.get_source_stamp = _stamped(mixin.get_source_stamp)
     if fcntl is None:
         return False
     cls = caching.IndexDataCacheFile

@@ -18,10 +18,9 @@ methods call these kernels, and `hot_walks` takes them through `HotCache.walk_li
 batched walk, atlas/batch_walk.py). The fold is `fold._fold_walk` (`fold.fold_walk`'s kernel), whose
 work items are the general path's (`_fold_item`, `_merge_item`), so the result is bitwise that
 of the general path. No policy, accounting or telemetry here. numba's cache: `append_fold`
-compiles the fold's kernels into this module's cache entry, which numba renews only when this
-file changes; after editing fold.py (or fold_blocks.py, page_sum.py, storage.py) in a
-checkout, delete the
-`__pycache__/*.nbi` files (a release rewrites every file, so installs are not affected).
+compiles the fold's kernels into this module's cache entry, which numba alone would renew only
+when this file changes; the package's stamp (jit_cache.py: a digest of all its sources) makes
+an edit of fold.py, fold_blocks.py, page_sum.py or storage.py renew it too.
 """
 
 from __future__ import annotations

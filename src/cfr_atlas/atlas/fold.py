@@ -56,11 +56,11 @@ serial, parallel and all-hot kernels call, not inlined into each at numba's IR l
 compiled the work item anew in every caller: a storage format's first use cost ~40-80 s of
 compiling, then ~15-25 s; the register-blocked sums of fold_blocks.py, compiled for 1-4 groups
 each, add about 2 s: the serial kernel's first float16 call 11.4 s against 9.2 s, session 39).
-numba's disk cache renews an entry only when its own file changes, and these kernels compile
-fold_blocks.py's and page_sum.py's code into theirs: after editing those in a checkout, delete
-the `__pycache__/*.nbi` files. Each kernel is called with one set of argument types per storage
-format: a strided array, prange's unsigned index or a literal in a tuple would each be another
-type, hence another compile."""
+These kernels compile fold_blocks.py's and page_sum.py's code into theirs; numba alone would
+renew a cache entry only when its own file changes, so every kernel of the package is stamped
+with a digest of all its sources (jit_cache.py): an edit anywhere recompiles. Each kernel
+is called with one set of argument types per storage format: a strided array, prange's
+unsigned index or a literal in a tuple would each be another type, hence another compile."""
 
 from __future__ import annotations
 

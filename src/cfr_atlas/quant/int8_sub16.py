@@ -222,9 +222,8 @@ def tile_kernel(isa: int = int8.ISA, in_registers: bool | None = None):
     this module's PASS_WEIGHTS entry (tokens in fours, then a pair, then one); else the memory
     kernel below (tokens in pairs sharing one weight load, int32 dots and float32 sums in
     memory). Either way the same bits. The register kernel is an entry of int8.py's numba
-    cache with this module's codegen compiled in, and numba renews an entry only when its own
-    file changes: after editing this module in a checkout, delete the __pycache__/*.nbi
-    files."""
+    cache with this module's codegen compiled in; the package's stamp (jit_cache.py: a digest
+    of all its sources) renews that entry when this module changes."""
     isa = int(isa)
     if int8.registers_for(isa) if in_registers is None else in_registers:
         return int8._register_kernel(int8.SUB16, isa, SCALE)
