@@ -221,7 +221,8 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state, scratch):
         k_sum = k_rows_sum(kf) if check else np.uint32(0)
         if n_blocked:
             if not check and t == 0 and n_tok == 1 and not v_in_k \
-                    and vf.strides[1] == vf.itemsize:
+                    and vf.strides[1] == vf.itemsize \
+                    and vf.strides[0] == vf.shape[1] * vf.itemsize:  # rows back to back
                 touch_pair(kf, j0, n_blocked, vf, j0, n)
             elif not check and t == 0:  # the call's first query: the others find it cached
                 touch_rows(kf, j0, n_blocked)  # row order first: the blocks read across rows

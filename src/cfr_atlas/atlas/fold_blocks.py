@@ -97,12 +97,12 @@ def fma32_numpy(a, b, c) -> np.ndarray:
     then to float32 is the correctly rounded result, as float64 has more than 24 + 2 bits
     (Boldo and Melquiond's round-to-odd)."""
     a, b, c = (np.asarray(v, dtype=np.float32).astype(np.float64) for v in (a, b, c))
-    prod = a * b
-    s = prod + c
-    bp = s - c  # Knuth's TwoSum: s + e == prod + c exactly
-    e = (c - (s - bp)) + (prod - bp)
-    even = (s.view(np.int64) & 1) == 0
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):  # inf and NaN operands pass through
+        prod = a * b
+        s = prod + c
+        bp = s - c  # Knuth's TwoSum: s + e == prod + c exactly
+        e = (c - (s - bp)) + (prod - bp)
+        even = (s.view(np.int64) & 1) == 0
         s = np.where((e != 0) & even & np.isfinite(s), np.nextafter(s, np.copysign(np.inf, e)), s)
         return s.astype(np.float32)
 
