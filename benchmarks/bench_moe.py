@@ -49,6 +49,7 @@ from cfr_atlas.engine import load_model  # noqa: E402
 from cfr_atlas.generate import prefill  # noqa: E402
 from cfr_atlas.testing.tiny_moe import write_tiny_moe  # noqa: E402
 from moe_pressure import pressure_rows, pressure_table  # noqa: E402
+from moe_pressure import read_cost_share as _reads_share  # noqa: E402
 from page_cache import (  # noqa: E402
     disk_read_bytes,
     drop_file_cache,
@@ -197,16 +198,6 @@ def _resident_ms(model, ids, n_decode: int) -> float:
     model.net.set_experts(None)
     _run(model, ids, 1)  # the pool's and the caches' first touch
     return float(np.median(_run(model, ids, n_decode)["token_ms"]))
-
-
-def _reads_share(read_mb: float, token_ms: float, resident_ms: float, seq: float) -> float:
-    """What a cold token's reads cost it, as a rate against `seq` GB/s: its bytes over the time
-    it took beyond the all-resident token. Not the disk's rate: reads that overlap compute (a
-    layer's predicted experts are read while the layer before computes) take no extra time,
-    so this can pass 1; the issue's target is judged on the token's own rate (compute
-    included)."""
-    added = token_ms - resident_ms
-    return read_mb / added / seq if added > 0 else float("inf")
 
 
 def _cold_tokens(model, path: Path, ids, a, spec: str, base: bytes, reads: str) -> dict:

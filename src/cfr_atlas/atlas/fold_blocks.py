@@ -68,6 +68,20 @@ def _llvm(builder, name: str, args):
     return builder.call(fn, args)
 
 
+def _halves(builder, acc, combine):
+    """acc's lanes combined in halves (lanes 0..w/2-1 with w/2..w-1, then again) down to one
+    scalar: a fixed order that depends on the width alone."""
+    width = acc.type.count
+    while width > 1:
+        width //= 2
+        lo = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(I32, width),
+                                                          list(range(width))))
+        hi = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(I32, width),
+                                                          list(range(width, 2 * width))))
+        acc = combine(lo, hi)
+    return builder.extract_element(acc, _const(I32, 0))
+
+
 def _mac(builder, acc, x, y):
     """acc + x * y with one rounding: llvm.fma, a vfmadd on every x86-64 target with AVX2
     (on a target without FMA, LLVM calls the C library's fmaf: the same bits, slower)."""
@@ -125,16 +139,10 @@ def max_run(typingctx, s, n):
             off = builder.mul(c.index, _const(intp, KEYS * 4))
             v = builder.load(_at(builder, sp, [off], vf), align=4)
             builder.store(_llvm(builder, "llvm.maxnum", [builder.load(best), v]), best)
-        acc = builder.load(best)
-        width = KEYS
-        while width > 1:  # lanes combined in halves: any order gives the same maximum
-            width //= 2
-            lo = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(I32, width),
-                                                              list(range(width))))
-            hi = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(I32, width),
-                                                              list(range(width, 2 * width))))
-            acc = _llvm(builder, "llvm.maxnum", [lo, hi])
-        m = cgutils.alloca_once_value(builder, builder.extract_element(acc, _const(I32, 0)))
+        # any order of the lanes gives the same maximum
+        top = _halves(builder, builder.load(best),
+                      lambda lo, hi: _llvm(builder, "llvm.maxnum", [lo, hi]))
+        m = cgutils.alloca_once_value(builder, top)
         start = builder.mul(n_vec, _const(intp, KEYS))
         with cgutils.for_range(builder, builder.sub(n_v, start), intp=intp) as j:
             off = builder.mul(builder.add(start, j.index), _const(intp, 4))
@@ -343,6 +351,17 @@ def widen_soft16(typingctx, src, i, out):
 LINE = 64  # bytes of a cache line
 
 
+def _lines(builder, n_bytes):
+    """Cache lines that n_bytes bytes from a line's start span (rounded up)."""
+    intp = n_bytes.type
+    return builder.udiv(builder.add(n_bytes, _const(intp, LINE - 1)), _const(intp, LINE))
+
+
+def _read_into(builder, seen, base, off):
+    """The byte at base + off OR-ed into the i8 at `seen` (a load the asm keeps)."""
+    builder.store(builder.or_(builder.load(seen), builder.load(builder.gep(base, [off]))), seen)
+
+
 @intrinsic
 def touch_rows(typingctx, a, col0, n_cols):
     """Read one byte of every cache line of columns col0 .. col0 + n_cols - 1 of each row of
@@ -357,20 +376,17 @@ def touch_rows(typingctx, a, col0, n_cols):
         intp = row_s.type
         c0 = builder.mul(context.cast(builder, args[1], sig.args[1], types.intp), col_s)
         width = builder.mul(context.cast(builder, args[2], sig.args[2], types.intp), col_s)
-        n_lines = builder.udiv(builder.add(width, _const(intp, LINE - 1)), _const(intp, LINE))
+        n_lines = _lines(builder, width)
         seen = cgutils.alloca_once_value(builder, ir.Constant(I8, 0))
         rows = builder.select(builder.icmp_signed(">", width, _const(intp, 0)), rows,
                               _const(intp, 0))  # no columns: nothing to read
         with cgutils.for_range(builder, rows, intp=intp) as r:
             row = builder.add(builder.mul(r.index, row_s), c0)
             with cgutils.for_range(builder, n_lines, intp=intp) as line:
-                off = builder.add(row, builder.mul(line.index, _const(intp, LINE)))
-                builder.store(builder.or_(builder.load(seen), builder.load(
-                    builder.gep(base, [off]))), seen)
+                _read_into(builder, seen, base,
+                           builder.add(row, builder.mul(line.index, _const(intp, LINE))))
             # the row's last byte: its line, when col0 does not start a line, is one more
-            last = builder.add(row, builder.sub(width, _const(intp, 1)))
-            builder.store(builder.or_(builder.load(seen), builder.load(
-                builder.gep(base, [last]))), seen)
+            _read_into(builder, seen, base, builder.add(row, builder.sub(width, _const(intp, 1))))
         builder.asm(ir.FunctionType(ir.VoidType(), [I8]), "", "r", [builder.load(seen)],
                     side_effect=True)
         return context.get_dummy_value()
@@ -403,15 +419,7 @@ def sum_run(typingctx, p, n):
                 v = builder.fpext(builder.load(_at(builder, pp, [off], vs), align=4), vd)
                 builder.store(builder.fadd(builder.load(a), v), a)
         acc = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
-        width = SUM_LANES
-        while width > 1:
-            width //= 2
-            lo = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(I32, width),
-                                                              list(range(width))))
-            hi = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(I32, width),
-                                                              list(range(width, 2 * width))))
-            acc = builder.fadd(lo, hi)
-        total = cgutils.alloca_once_value(builder, builder.extract_element(acc, _const(I32, 0)))
+        total = cgutils.alloca_once_value(builder, _halves(builder, acc, builder.fadd))
         start = builder.mul(n_vec, _const(intp, step))
         with cgutils.for_range(builder, builder.sub(n_v, start), intp=intp) as j:
             off = builder.mul(builder.add(start, j.index), _const(intp, 4))
@@ -454,10 +462,10 @@ def touch_pair(typingctx, a, col0, n_cols, b, row0, n_rows):
         intp = row_s.type
         c0 = builder.mul(context.cast(builder, args[1], sig.args[1], types.intp), col_s)
         width = builder.mul(context.cast(builder, args[2], sig.args[2], types.intp), col_s)
-        n_lines = builder.udiv(builder.add(width, _const(intp, LINE - 1)), _const(intp, LINE))
+        n_lines = _lines(builder, width)
         b0 = builder.mul(context.cast(builder, args[4], sig.args[4], types.intp), brow_s)
-        b_bytes = builder.mul(context.cast(builder, args[5], sig.args[5], types.intp), brow_s)
-        b_lines = builder.udiv(builder.add(b_bytes, _const(intp, LINE - 1)), _const(intp, LINE))
+        b_lines = _lines(builder, builder.mul(
+            context.cast(builder, args[5], sig.args[5], types.intp), brow_s))
         b_next = cgutils.alloca_once_value(builder, _const(intp, 0))
         seen = cgutils.alloca_once_value(builder, ir.Constant(I8, 0))
         rows = builder.select(builder.icmp_signed(">", width, _const(intp, 0)), rows,
@@ -465,23 +473,20 @@ def touch_pair(typingctx, a, col0, n_cols, b, row0, n_rows):
         with cgutils.for_range(builder, rows, intp=intp) as r:
             row = builder.add(builder.mul(r.index, row_s), c0)
             with cgutils.for_range(builder, n_lines, intp=intp) as line:
-                off = builder.add(row, builder.mul(line.index, _const(intp, LINE)))
-                builder.store(builder.or_(builder.load(seen), builder.load(
-                    builder.gep(base, [off]))), seen)
+                _read_into(builder, seen, base,
+                           builder.add(row, builder.mul(line.index, _const(intp, LINE))))
                 bl = builder.load(b_next)
                 with builder.if_then(builder.icmp_signed("<", bl, b_lines)):
-                    boff = builder.add(b0, builder.mul(bl, _const(intp, LINE)))
-                    builder.store(builder.or_(builder.load(seen), builder.load(
-                        builder.gep(bbase, [boff]))), seen)
+                    _read_into(builder, seen, bbase,
+                               builder.add(b0, builder.mul(bl, _const(intp, LINE))))
                     builder.store(builder.add(bl, _const(intp, 1)), b_next)
         b_left = builder.sub(b_lines, builder.load(b_next))  # b's lines past a's count
         b_left = builder.select(builder.icmp_signed(">", b_left, _const(intp, 0)), b_left,
                                 _const(intp, 0))
         b_from = builder.add(b0, builder.mul(builder.load(b_next), _const(intp, LINE)))
         with cgutils.for_range(builder, b_left, intp=intp) as line:
-            boff = builder.add(b_from, builder.mul(line.index, _const(intp, LINE)))
-            builder.store(builder.or_(builder.load(seen), builder.load(
-                builder.gep(bbase, [boff]))), seen)
+            _read_into(builder, seen, bbase,
+                       builder.add(b_from, builder.mul(line.index, _const(intp, LINE))))
         builder.asm(ir.FunctionType(ir.VoidType(), [I8]), "", "r", [builder.load(seen)],
                     side_effect=True)
         return context.get_dummy_value()
