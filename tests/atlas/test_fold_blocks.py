@@ -227,3 +227,59 @@ def test_the_fold_with_blocks_is_the_fold_without_them_bit_for_bit(dtype, D, P, 
         assert np.array_equal(a.view(np.uint64), b.view(np.uint64))
     assert np.array_equal(bad1, bad2)
     assert bad1[1, -1] == (src[1, -1] == fold.SRC_MAP)
+
+
+@pytest.mark.parametrize("dtype", list(StorageDtype), ids=lambda d: d.value)
+@pytest.mark.parametrize("context, T, window", [(41, 1, 0), (75, 4, 0), (200, 3, 0),
+                                                (150, 2, 29)])
+def test_a_last_partial_block_never_reads_into_the_result_what_lies_past_its_keys(
+        dtype, context, T, window):
+    """A page's last partial block of keys runs as a whole block where the page's columns hold
+    it (`_fold_item`): its lanes past the query's keys read columns that hold no key of that
+    query (later tokens, or none yet). Whatever those columns hold (zeros, NaN, infinities,
+    large ones) the state is the same bits, and the same as the plain loops' (a strided page,
+    no blocks)."""
+    D, P, G, H, split = 64, 64, 3, 2, 2
+    rng = np.random.default_rng(context + T)
+    n_pages = -(-context // P)
+    q = rng.standard_normal((T, H, G, D)).astype(np.float32)
+    k, v = _slabs(np.random.default_rng(3), dtype, H * n_pages, D, P, False)
+    lo = max(0, (context - T - window + 1) // P) if window else 0
+    n_pg = n_pages - lo
+    slot = (np.arange(H * n_pages).reshape(H, n_pages)[:, lo:]).astype(np.int64)
+    qpos = np.arange(context - T, context, dtype=np.int64)
+    # +-100: scores far above the keys' for any query (one sign or the other), finite in
+    # every storage format, so a lane past the keys that reached the maximum or the sums
+    # would change the state (NaN and infinities could hide behind maxnum)
+    fill = {"zero": 0.0, "nan": np.nan, "inf": np.inf, "+100": 100.0, "-100": -100.0,
+            "big": 3e38}
+    results = []
+    for value in [*fill.values(), None]:  # None: the strided views
+        kk, vv = k.copy(), v.copy()
+        last = slot[:, -1]
+        tail = context - (n_pages - 1) * P  # keys held by the last page
+        if value is not None:
+            pad = round_rows(np.full((1,), value, dtype=np.float32), dtype)[0]
+            kk[last, :, tail:] = pad
+            vv[last, tail:, :] = pad
+        else:  # the same keys in strided views: the plain loops
+            k2 = np.zeros((*kk.shape[:2], 2 * P), dtype=kk.dtype)
+            v2 = np.zeros((kk.shape[0], P, 2 * D), dtype=vv.dtype)
+            k2[:, :, ::2], v2[:, :, ::2] = kk, vv
+            kk, vv = k2[:, :, ::2], v2[:, :, ::2]
+        empty_k, empty_v = kk[:0], vv[:0]
+        n_part = -(-n_pages // split)
+        state = (np.full((T, H, n_part, G), -np.inf), np.zeros((T, H, n_part, G)),
+                 np.zeros((T, H, n_part, G, D)))
+        bad = np.zeros((H, n_pg), dtype=np.uint8)
+        fold.fold_pages(q, qpos, (kk, vv, empty_k, empty_v, empty_k, empty_v),
+                        (np.zeros((H, n_pg), dtype=np.int64), slot,
+                         np.zeros((H, n_pg), dtype=np.uint32), bad),
+                        (lo, context, split, 0, H * n_pg),
+                        (np.float32(D ** -0.5), np.float32(0.0),
+                         np.zeros((H, G), dtype=np.float32), window, format_of(dtype)), state)
+        assert np.isfinite(state[2]).all() and not bad.any()
+        results.append(state)
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert np.array_equal(a.view(np.uint64), b.view(np.uint64))
