@@ -17,8 +17,9 @@ interleaved so that all see the same minutes of the machine:
 Per token (median over tokens): the total, the time inside the layers' weight products
 (`QuantWeight.matmul` / `QuantWeight.product`: the kernels and their wrappers), inside
 `QuantWeight.matmul_refined` (the output head), inside `Session.store_attend` /
-`Session.decode_attend` (the regenerator's copy, the hot-cache write, the fold, the merge; the
-pieces also check and round the rows there, the step in its qkv_rows kernel, which is "rest"),
+`Session.decode_attend` / `Session.record_rows` and the step's `HotWalks.run` (the
+regenerator's copy, the hot-cache write, the fold, the merge; the pieces also check and round
+the rows there, the step in its qkv_rows kernel, which is "rest"),
 the rest (norms, RoPE, activations, residuals, the per-layer Python of the forward pass), and
 Python function calls per token (cProfile, a separate pass: the profiler slows Python, not the
 kernels). Ratios compare paths of one run only.
@@ -39,6 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from cfr_atlas.atlas.batch_walk import HotWalks  # noqa: E402
 from cfr_atlas.atlas.hot_cache import HotCache  # noqa: E402
 from cfr_atlas.engine import load_model  # noqa: E402
 from cfr_atlas.generate import prefill  # noqa: E402
@@ -51,7 +53,8 @@ PARTS = ("matmul", "head", "store_attend")
 
 class Timers:
     """Wall time inside QuantWeight.matmul / product (the layers), QuantWeight.matmul_refined
-    (the output head) and Session.store_attend / decode_attend, outermost calls only, while
+    (the output head) and Session.store_attend / decode_attend / record_rows and HotWalks.run
+    (the step's walks, a sequence alone included), outermost calls only, while
     the patches are on (`close` takes them off). One thread: the profile's own."""
 
     def __init__(self):
@@ -62,7 +65,9 @@ class Timers:
                                 (QuantWeight, "product", "matmul"),
                                 (QuantWeight, "matmul_refined", "head"),
                                 (Session, "store_attend", "store_attend"),
-                                (Session, "decode_attend", "store_attend")):
+                                (Session, "decode_attend", "store_attend"),
+                                (Session, "record_rows", "store_attend"),
+                                (HotWalks, "run", "store_attend")):
             self._saved.append((cls, name, cls.__dict__[name]))
             setattr(cls, name, self._wrap(getattr(cls, name), part))
 

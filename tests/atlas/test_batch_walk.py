@@ -40,6 +40,18 @@ def _counters(session) -> dict:
             "tick": session.atlas._tick}
 
 
+def _alone(model, session, token: int) -> np.ndarray:
+    """One token of one sequence through the per-sequence call (`Session.decode_attend`), not
+    HotWalks: the reference the batched walks are held to."""
+    step = model.net.decode_step
+    step.walk_alone = False
+    try:
+        return model.net.forward_chunk(session, np.array([token], dtype=np.int64),
+                                       all_logits=False)
+    finally:
+        del step.walk_alone  # the class's default again
+
+
 def _pair(model, kws, tmp_path):
     made = []
     for side in ("solo", "batch"):
@@ -96,8 +108,7 @@ def test_batched_walks_are_each_sequence_alone(model, storage, side_by_side, min
             got = model.net.forward_batch([BatchItem(s, np.array([t], dtype=np.int64))
                                            for s, t in zip(batch, toks, strict=True)])
             for i, (s, t) in enumerate(zip(solo, toks, strict=True)):
-                want = model.net.forward_chunk(s, np.array([t], dtype=np.int64),
-                                               all_logits=False)
+                want = _alone(model, s, t)
                 assert np.array_equal(got[i], want), (step, i)
                 assert cache_state(batch[i].atlas) == cache_state(s.atlas), (step, i)
                 assert _counters(batch[i]) == _counters(s), (step, i)
@@ -116,15 +127,20 @@ def test_batched_walks_are_each_sequence_alone(model, storage, side_by_side, min
             s.close()
 
 
-def test_one_sequence_and_mapping_regenerators_keep_their_own_call(tiny_llama, tmp_path,
-                                                                   monkeypatch):
-    """A step of one sequence, or of sequences whose regenerator maps pages, builds no group
-    (no typed lists: their compile costs a process ~1 s)."""
+def test_one_sequence_and_mapping_regenerators_build_no_typed_lists(tiny_llama, tmp_path,
+                                                                     monkeypatch):
+    """A step of one sequence walks through HotWalks' single-member call (its layer's arrays),
+    and sequences whose regenerator maps pages keep their own call: neither builds typed lists
+    (their compile costs a process ~1 s)."""
     model = load_model(tiny_llama)
-    built = []
-    real = batch_walk.HotWalks.__init__
+    built, lists, single = [], [], []
+    real, real_lists = batch_walk.HotWalks.__init__, batch_walk.HotWalks._current_lists
+    real_one = decode_walk.hot_walk_one
     monkeypatch.setattr(batch_walk.HotWalks, "__init__",
                         lambda self, *a: built.append(1) or real(self, *a))
+    monkeypatch.setattr(batch_walk.HotWalks, "_current_lists",
+                        lambda self: lists.append(1) or real_lists(self))
+    monkeypatch.setattr(decode_walk, "hot_walk_one", lambda *a: single.append(1) or real_one(*a))
     spill = [model.session(page_tokens=PAGE, kv_budget=1 << 16, cache_dir=tmp_path / str(i))
              for i in range(2)]
     one = model.session(page_tokens=PAGE)
@@ -132,13 +148,54 @@ def test_one_sequence_and_mapping_regenerators_keep_their_own_call(tiny_llama, t
         for s in spill + [one]:
             model.net.forward_chunk(s, IDS[:9], output=False)
         model.net.forward_batch([BatchItem(s, IDS[:1]) for s in spill])
+        assert not built  # no member at all
         model.net.forward_batch([BatchItem(one, IDS[:1])])
-        assert not built
+        assert built and single and not lists
+        del single[:]
         model.net.forward_batch([BatchItem(s, IDS[:1]) for s in (one, spill[0])])
-        assert not built  # one member only
+        assert single and not lists  # one member only
     finally:
         for s in spill + [one]:
             s.close()
+
+
+def test_one_sequence_through_hot_walks_is_its_own_call(model, tmp_path):
+    """A sequence decoding alone through HotWalks' single-member call (the default) against the
+    same sequence through the per-sequence call: the logits np.array_equal and the cache,
+    clock and counters ==, step after step, across page starts (where its own path takes
+    over for a layer) and with a budget whose recompute regenerator misses."""
+    c = model.config
+    page = PAGE * c.head_dim * 2 * 2
+    for kw in ({}, {"kv_budget": 3 * page * c.n_kv_heads + 96 * c.n_layers * c.dim * 4,
+                    "regenerator": "recompute"}):
+        (solo,), (walked,) = _pair(model, [kw], tmp_path)
+        made: list = []  # walks the single-member call made (ok rows)
+        real = decode_walk.hot_walk_one
+
+        def one(*a, _m=made, _r=real):
+            _r(*a)
+            _m.append(int(a[-1].sum()))
+
+        decode_walk.hot_walk_one = one
+        try:
+            for s in (solo, walked):
+                model.net.forward_chunk(s, IDS[:11], output=False)
+            for step in range(2 * PAGE + 3):
+                t = int(IDS[(5 * step) % len(IDS)])
+                got = model.net.forward_chunk(walked, np.array([t], dtype=np.int64),
+                                              all_logits=False)
+                want = _alone(model, solo, t)
+                assert np.array_equal(got, want), (kw, step)
+                assert cache_state(walked.atlas) == cache_state(solo.atlas), (kw, step)
+                assert _counters(walked) == _counters(solo), (kw, step)
+                check_accounting(walked.atlas)
+            if not kw:  # unbounded: most walks were the single-member call's (not at page
+                # starts); under this budget every walk misses and takes its own path
+                assert sum(made) > (2 * PAGE + 3) * c.n_layers // 2, sum(made)
+        finally:
+            decode_walk.hot_walk_one = real
+            solo.close()
+            walked.close()
 
 
 def test_a_member_whose_regenerator_refuses_leaves_the_step_alone(tiny_llama, tmp_path):
@@ -166,7 +223,7 @@ def test_a_member_whose_regenerator_refuses_leaves_the_step_alone(tiny_llama, tm
                     assert isinstance(out, CapacityError)
                     failed += 1
                     continue
-                want = model.net.forward_chunk(solo[i], IDS[step:step + 1], all_logits=False)
+                want = _alone(model, solo[i], int(IDS[step]))
                 assert np.array_equal(out, want), (step, i)
                 assert cache_state(batch[i].atlas) == cache_state(solo[i].atlas)
                 assert _counters(batch[i]) == _counters(solo[i])

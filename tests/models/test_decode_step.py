@@ -56,6 +56,7 @@ def path(request, tiny_gguf):
 @pytest.mark.parametrize("matmul", ["float", "int8"])
 @pytest.mark.parametrize("storage", ["float16", "bfloat16", "float32"])
 def test_step_equals_the_general_path_and_prefill(path, matmul, storage, monkeypatch):
+    from cfr_atlas.atlas.batch_walk import HotWalks
     from cfr_atlas.atlas.runtime import Atlas
 
     model = load_model(path, matmul=matmul)
@@ -67,7 +68,14 @@ def test_step_equals_the_general_path_and_prefill(path, matmul, storage, monkeyp
         walks.append(out is not None)
         return out
 
+    def spy_walks(self, *a, **k):  # a step's walks through HotWalks (one sequence: the default)
+        ok = real_run(self, *a, **k)
+        walks.extend([True] * int(ok.sum()))
+        return ok
+
+    real_run = HotWalks.run
     monkeypatch.setattr(Atlas, "decode_attend", spy)
+    monkeypatch.setattr(HotWalks, "run", spy_walks)
     tel: list = []
     on = _decode(model, IDS, True, tel, storage_dtype=storage, page_tokens=8)
     off = _decode(model, IDS, False, tel, storage_dtype=storage, page_tokens=8)
@@ -75,7 +83,8 @@ def test_step_equals_the_general_path_and_prefill(path, matmul, storage, monkeyp
     assert np.array_equal(on, model.logits(IDS, storage_dtype=storage, page_tokens=8))
     assert tel[0] == tel[1]  # counters, residency and allocations alike
     n = model.config.n_layers
-    # the compiled walk served every token but a page's first (5 of 40 with 8-token pages)
+    # the compiled walk (HotWalks' or the per-sequence call's) served every token but a
+    # page's first (5 of 40 with 8-token pages), which took the general call
     assert walks.count(True) == 35 * n and walks.count(False) == 5 * n
 
 

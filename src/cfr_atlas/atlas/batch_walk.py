@@ -73,6 +73,13 @@ class HotWalks:
         slabs = (np.zeros((0, c.head_dim, c.page_tokens), dtype=c.dtype.array_dtype),
                  np.zeros((0, c.page_tokens, c.stored_value_dim), dtype=c.dtype.array_dtype))
         self._empty = slabs
+        # one member: its arrays go to `decode_walk.hot_walk_one` (no typed lists)
+        members = [g for g, a in enumerate(atlases) if a is not None]
+        self._one = members[0] if len(members) == 1 else -1
+        self._lanes = numba.get_num_threads()  # the fold's lanes (this thread's, this step)
+        self._checked: tuple = ()  # the buffers `run` last checked, held for the step
+        self._splits: dict = {}  # (window, rows' bytes) -> side by side or not
+        self._score: dict = {}  # (H, G, window) -> default_score's cap, alibi, sinks
 
     @staticmethod
     def fits(atlas, config) -> bool:
@@ -123,43 +130,63 @@ class HotWalks:
         made here (out[r] written), False where the row must take its own path. The kernel
         trusts these shapes (numba checks no index), so they are checked here."""
         n, H, G = q.shape[:3]
-        arrays = (rows, starts, k_st, v_st, q, out)
-        if (k_st.shape != (n, H, self.head_dim) or v_st.shape != (n, H, self.value_dim)
-                or k_st.dtype != self.dtype.array_dtype or v_st.dtype != k_st.dtype
-                or q.shape[3] != self.head_dim or out.shape != (n, H, G, self.out_dim)
-                or q.dtype != np.float32 or out.dtype != np.float32
-                or rows.shape != (n,) or starts.shape != (len(self.atlases),)
-                or rows.dtype != np.int64 or starts.dtype != np.int64
-                or not all(a.flags.c_contiguous for a in arrays)
+        checked = self._checked
+        if not (checked and checked[0] is k_st and checked[1] is v_st and checked[2] is q
+                and checked[3] is out and checked[4] is starts):
+            self._check(starts, k_st, v_st, q, out)
+        if (rows.shape != (n,) or rows.dtype != np.int64 or not rows.flags.c_contiguous
                 or not 0 <= layer < self.walked.shape[1]
                 or (n and not -1 <= int(rows.min()) <= int(rows.max()) < len(self.atlases))):
-            raise DimensionError(f"HotWalks.run: rows {k_st.shape} {k_st.dtype} / {v_st.shape}, "
-                                 f"query {q.shape} {q.dtype}, out {out.shape}, {rows.shape} "
-                                 f"row indices and {starts.shape} positions do not fit "
-                                 f"{len(self.atlases)} sequences of head_dim {self.head_dim}")
+            raise DimensionError(f"HotWalks.run: row indices {rows.shape} {rows.dtype} or "
+                                 f"layer {layer} do not fit {n} rows of {len(self.atlases)} "
+                                 f"sequences and {self.walked.shape[1]} layers")
         ok = np.zeros(n, dtype=np.bool_)
-        slots, tokens, last_uses, ks, vs = self._current_lists()
         win = 0 if window is None else int(window)
         scales = self._scales.get(scale)
         if scales is None:  # each atlas's scale, as Atlas.decode_attend takes it
             scales = self._scales[scale] = np.array(
                 [1.0 if a is None else a.config.query_scale() if scale is None else float(scale)
                  for a in self.atlases], dtype=np.float32)
-        _, cap, alibi, _, sinks = default_score(H, G, 1.0, win)
+        score = self._score.get((H, G, win))
+        if score is None:
+            _, cap, alibi, _, sinks = default_score(H, G, 1.0, win)
+            score = self._score[(H, G, win)] = (np.float32(cap), alibi, sinks)
+        cap, alibi, sinks = score
         self.n_head = H
         t0 = time.perf_counter()
-        kernel = decode_walk.hot_walks_parallel if self._split(rows, starts, win) \
-            else decode_walk.hot_walks
-        kernel(layer, slots, tokens, last_uses, ks, vs, rows, starts,
-               self.ticks, self.walked, self.counts, k_st, v_st, q, self.splits,
-               scales, np.float32(cap), alibi, win, self._fmt, sinks,
-               fold.PARALLEL_MIN_PAIRS, numba.get_num_threads(), *self._empty, out, ok)
-        made = rows[ok]
-        if made.size:
-            share = (time.perf_counter() - t0) / made.size
-            self.seconds[made, 0] += share
-            self.seconds[made, 1] = share
+        if self._one >= 0:  # one member: its layer's arrays, no typed lists
+            slot, tok, last_use, k, v = self.atlases[self._one].cache.walk_arrays(layer)
+            decode_walk.hot_walk_one(
+                layer, slot, tok, last_use, k, v, rows, starts, self.ticks, self.walked,
+                self.counts, k_st, v_st, q, self.splits, scales, cap, alibi, win, self._fmt,
+                sinks, fold.PARALLEL_MIN_PAIRS, self._lanes, *self._empty, out, ok)
+        else:
+            slots, tokens, last_uses, ks, vs = self._current_lists()
+            kernel = decode_walk.hot_walks_parallel if self._split(rows, starts, win) \
+                else decode_walk.hot_walks
+            kernel(layer, slots, tokens, last_uses, ks, vs, rows, starts,
+                   self.ticks, self.walked, self.counts, k_st, v_st, q, self.splits,
+                   scales, cap, alibi, win, self._fmt, sinks,
+                   fold.PARALLEL_MIN_PAIRS, self._lanes, *self._empty, out, ok)
+        _share_seconds(rows, ok, self.seconds, time.perf_counter() - t0)
         return ok
+
+    def _check(self, starts, k_st, v_st, q, out) -> None:
+        """`run`'s checks of the step's buffers (the same arrays every layer: checked once,
+        then held for the step)."""
+        n, H, G = q.shape[:3]
+        arrays = (starts, k_st, v_st, q, out)
+        if (k_st.shape != (n, H, self.head_dim) or v_st.shape != (n, H, self.value_dim)
+                or k_st.dtype != self.dtype.array_dtype or v_st.dtype != k_st.dtype
+                or q.shape[3] != self.head_dim or out.shape != (n, H, G, self.out_dim)
+                or q.dtype != np.float32 or out.dtype != np.float32
+                or starts.shape != (len(self.atlases),) or starts.dtype != np.int64
+                or not all(a.flags.c_contiguous for a in arrays)):
+            raise DimensionError(f"HotWalks.run: rows {k_st.shape} {k_st.dtype} / {v_st.shape}, "
+                                 f"query {q.shape} {q.dtype}, out {out.shape} and "
+                                 f"{starts.shape} positions do not fit "
+                                 f"{len(self.atlases)} sequences of head_dim {self.head_dim}")
+        self._checked = arrays
 
     def _split(self, rows: np.ndarray, starts: np.ndarray, win: int) -> bool:
         """Whether the rows' walks run on the threads side by side (`hot_walks_parallel`,
@@ -167,13 +194,19 @@ class HotWalks:
         is more than half of all their pages (so the threads' shares can be even); else in
         turn (`hot_walks`: a long walk's fold keeps both threads to itself, by
         `fold.walk_plan`'s rule). Either way the same bits."""
-        g = rows[rows >= 0]
-        if not self.parallel or g.size < 2:
-            return False
-        context, page = starts[g] + 1, self.page_tokens[g]
-        lo = np.maximum(context - win, 0) // page if win > 0 else 0
-        pages = -(-context // page) - lo
-        return 2 * int(pages.max()) <= int(pages.sum())
+        key = (win, rows.tobytes())
+        split = self._splits.get(key)
+        if split is None:
+            g = rows[rows >= 0]
+            if not self.parallel or g.size < 2:
+                split = False
+            else:
+                context, page = starts[g] + 1, self.page_tokens[g]
+                lo = np.maximum(context - win, 0) // page if win > 0 else 0
+                pages = -(-context // page) - lo
+                split = 2 * int(pages.max()) <= int(pages.sum())
+            self._splits[key] = split  # the positions are the step's: one answer a step
+        return split
 
     def flush(self, g: int) -> None:
         """Hand atlas g the bookkeeping of its walks so far (before its own path, and at the
@@ -203,7 +236,23 @@ class HotWalks:
 
     def end(self) -> None:
         """After the step (or when it fails): every atlas's bookkeeping handed back, and the
-        lists let go (they reference the caches' arrays)."""
+        lists and buffers let go (they reference the caches' and the step's arrays)."""
         for g in range(len(self.atlases)):
             self.flush(g)
         self._lists = self._versions = None
+        self._checked = ()
+
+
+@numba.njit(cache=True, nogil=True)
+def _share_seconds(rows, ok, seconds, elapsed):
+    """A call's seconds shared evenly among the walks it made: seconds[g, 0] += the share,
+    seconds[g, 1] = it, for each row r made (ok[r]) of member g = rows[r]."""
+    made = 0
+    for r in range(rows.shape[0]):
+        made += ok[r]
+    if made:
+        share = elapsed / made
+        for r in range(rows.shape[0]):
+            if ok[r]:
+                seconds[rows[r], 0] += share
+                seconds[rows[r], 1] = share

@@ -160,9 +160,19 @@ def _hot_walk(r, layer, slots, tokens, last_uses, ks, vs, heads, members, starts
     g = members[r]
     if g < 0 or layer >= len(slots[g]):  # not a member, or no tables for the layer yet
         return
+    _walk_member(r, g, layer, slots[g][layer], tokens[g][layer], last_uses[g][layer],
+                 ks[g][0], vs[g][0], heads, starts, ticks, walked, counts, k_st, v_st, q,
+                 splits, scales, cap, alibi, win, fmt, sinks, min_pairs, lanes, empty_k,
+                 empty_v, out, ok, serial)
+
+
+@njit(cache=True, nogil=True)
+def _walk_member(r, g, layer, slot, tok, last_use, k, v, heads, starts, ticks, walked, counts,
+                 k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks, min_pairs, lanes,
+                 empty_k, empty_v, out, ok, serial):
+    """Row r's walk for member g over its cache's layer tables (slot, tok, last_use) and slabs
+    (k, v): `_hot_walk`'s work once the arrays are found (ok[r] is False on entry)."""
     n_head, n_grp = q.shape[1], q.shape[2]
-    slot = slots[g][layer]
-    k, v = ks[g][0], vs[g][0]
     page_tokens, split = v.shape[1], splits[g]
     start = starts[g]
     context = start + 1
@@ -173,8 +183,8 @@ def _hot_walk(r, layer, slots, tokens, last_uses, ks, vs, heads, members, starts
     n_pg = n_pages - lo
     hot = np.empty((n_head, n_pg), dtype=np.int64)
     tick = ticks[g]
-    if not append_walk(slot, tokens[g][layer], last_uses[g][layer], k, v, heads, start,
-                       k_st[r:r + 1], v_st[r:r + 1], lo, tick + 1, tick + 2, hot, True, False):
+    if not append_walk(slot, tok, last_use, k, v, heads, start, k_st[r:r + 1], v_st[r:r + 1],
+                       lo, tick + 1, tick + 2, hot, True, False):
         return
     items, fold_parallel, merge_parallel = plan_sizes(1, n_head, n_grp, n_pg, lo, split,
                                                       page_tokens, out.shape[3], min_pairs)
@@ -232,3 +242,21 @@ def hot_walks_parallel(layer, slots, tokens, last_uses, ks, vs, members, starts,
         _hot_walk(np.int64(r), layer, slots, tokens, last_uses, ks, vs, heads, members, starts,
                   ticks, walked, counts, k_st, v_st, q, splits, scales, cap, alibi, win, fmt,
                   sinks, min_pairs, lanes, empty_k, empty_v, out, ok, True)
+
+
+@njit(cache=True, nogil=True)
+def hot_walk_one(layer, slot, tok, last_use, k, v, members, starts, ticks, walked, counts,
+                 k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks, min_pairs, lanes,
+                 empty_k, empty_v, out, ok):
+    """`hot_walks` for a step whose rows hold one member (the others -1): that member's layer
+    tables (slot, tok, last_use; a (0, 0) table where the layer has none) and slabs (k, v)
+    passed as arrays, not typed lists (batch_walk.py: a process that decodes one sequence
+    builds none). The same row walk (`_walk_member`), so the same bits and bookkeeping."""
+    heads = np.arange(q.shape[1])
+    for r in range(members.shape[0]):
+        ok[r] = False
+        g = members[r]
+        if g >= 0:
+            _walk_member(r, g, layer, slot, tok, last_use, k, v, heads, starts, ticks, walked,
+                         counts, k_st, v_st, q, splits, scales, cap, alibi, win, fmt, sinks,
+                         min_pairs, lanes, empty_k, empty_v, out, ok, False)

@@ -161,6 +161,16 @@ class HotCache:
             self._walk_lists = tuple(lists)
         return self._walk_lists
 
+    def walk_arrays(self, layer: int) -> tuple:
+        """`walk_lists`' arrays for one layer as plain arrays: (slot, tokens, last_use, k, v),
+        an empty (0, 0) table for each of the first three where the layer has none; for the
+        batched decode walk of a single sequence (`decode_walk.hot_walk_one`), fetched for
+        each call (so a call never holds an array the cache replaced)."""
+        lay = self.layers.get(layer)
+        if lay is None:
+            return _NO_TABLE, _NO_TABLE, _NO_TABLE, self.k, self.v
+        return lay.slot, lay.tokens, lay.last_use, self.k, self.v
+
     def budget(self) -> int:
         return self.config.hot_cache_bytes
 
@@ -526,6 +536,9 @@ class HotCache:
         self.resident_bytes = self.held_slots = 0
         self._empty_pool()
         self._end()
+
+
+_NO_TABLE = np.zeros((0, 0), dtype=np.int64)  # a layer without tables (walk_arrays; never written)
 
 
 @functools.lru_cache(maxsize=16)

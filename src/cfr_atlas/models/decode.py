@@ -238,19 +238,24 @@ class DecodeStep:
         finally:
             walks.end()  # every atlas's bookkeeping handed back, whatever happened
 
-    @staticmethod
-    def _walks(sessions: list) -> HotWalks | None:
-        """The batched walks of one step of these sessions, or None for a single session or
-        fewer than two that may join (`Session.batch_walk_atlas`). Made per step and dropped
-        after it, so nothing holds a sequence's arrays past its step."""
-        if len(sessions) < 2:
-            return None
+    # A sequence that is the only one of its step whose walks may be batched walks through
+    # HotWalks too (its layer's arrays to one compiled call, no typed lists), not through
+    # `Session.decode_attend`'s Python (~20 us a layer). False: the per-sequence call (the
+    # tests' reference for the batched walks).
+    walk_alone = True
+
+    def _walks(self, sessions: list) -> HotWalks | None:
+        """The batched walks of one step of these sessions, or None when none may join
+        (`Session.batch_walk_atlas`), or one only and not `walk_alone`. Made per step and
+        dropped after it, so nothing holds a sequence's arrays past its step."""
         atlases = [s.batch_walk_atlas() for s in sessions]
         first = next((a for a in atlases if a is not None), None)
-        if first is not None:
-            atlases = [a if a is not None and HotWalks.fits(a, first.config) else None
-                       for a in atlases]
-        return None if sum(a is not None for a in atlases) < 2 else HotWalks(atlases)
+        if first is None:
+            return None
+        atlases = [a if a is not None and HotWalks.fits(a, first.config) else None
+                   for a in atlases]
+        members = sum(a is not None for a in atlases)
+        return HotWalks(atlases) if members >= 2 or self.walk_alone else None
 
     def _run(self, sessions: list, pos0s: list, x0: np.ndarray, rope,
              walks: HotWalks | None) -> tuple[np.ndarray, dict]:
@@ -264,6 +269,14 @@ class DecodeStep:
         post = None  # the previous layer's post-FFN norm
         eps = self.eps
         starts = np.asarray(pos0s, dtype=np.int64)
+        array_dtype = dtype.array_dtype
+        # the member rows (row, sequence) whose regenerator keeps a copy of the rows, and
+        # whether any row is not a member: fixed until a sequence leaves the step
+        members = recorders = None
+        if walks is not None:
+            members = walks.member
+            recorders = [(r, j) for r, j in enumerate(live)
+                         if members[r] >= 0 and sessions[j].records_rows()]
         for i, lay in enumerate(self.layers):
             x, h, d, tmp = b.x, b.h, b.d, b.tmp
             if i:
@@ -272,34 +285,31 @@ class DecodeStep:
             else:
                 _rms_norm_kernel(x, lay.attn_norm, eps, h)
             _products(lay.qkv, h, b.qkv)
-            k_st, v_st = b.stored_rows(dtype.array_dtype, b.k.shape)
+            k_st, v_st = b.stored_rows(array_dtype, b.k.shape)
             cos, sin = rope if lay.rope is None else rope[lay.rope]
             has_norm = lay.q_norm is not None
             stored = qkv_rows(b.qkv, _NONE if lay.bias is None else lay.bias,
                               lay.bias is not None, lay.q_norm if has_norm else _NONE,
                               lay.k_norm if has_norm else _NONE, has_norm, eps, cos, sin,
                               self.neox, fmt, b.q_in, b.k_in, b.q, b.k, b.v, k_st, v_st)
-            done = members = None
+            done = None
             gone = []
-            if walks is not None:
-                members = walks.member[live]
-                if stored:  # the member rows' walks in one call (the regenerators' copies first)
-                    for r, j in enumerate(live):
-                        if members[r] < 0:
-                            continue
-                        try:
-                            sessions[j].record_rows(i, pos0s[j], x[r:r + 1], k_st[r:r + 1],
-                                                    v_st[r:r + 1])
-                        except Exception as exc:  # that sequence leaves the step, alone
-                            failed[j] = exc
-                            gone.append(r)
-                    if gone:
-                        members = members.copy()
-                        members[gone] = -1
-                    done = walks.run(i, members, starts, k_st, v_st, b.q4, b.attn,
-                                     **lay.options)
-            for r, j in enumerate(live):  # per sequence: its own K/V
-                if (done is not None and done[r]) or r in gone:
+            if walks is not None and stored:  # the member rows' walks in one call
+                walk_rows = members
+                for r, j in recorders:  # the regenerators' copies first
+                    try:
+                        sessions[j].record_rows(i, pos0s[j], x[r:r + 1], k_st[r:r + 1],
+                                                v_st[r:r + 1])
+                    except Exception as exc:  # that sequence leaves the step, alone
+                        failed[j] = exc
+                        gone.append(r)
+                if gone:
+                    walk_rows = members.copy()
+                    walk_rows[gone] = -1
+                done = walks.run(i, walk_rows, starts, k_st, v_st, b.q4, b.attn, **lay.options)
+            for r, j in ((r, j) for r, j in enumerate(live)
+                         if done is None or not done[r]):  # per sequence: its own K/V
+                if r in gone:
                     continue
                 member = members is not None and members[r] >= 0
                 if member:  # its own path sees the state its batched walks left
@@ -326,6 +336,10 @@ class DecodeStep:
                 keep = np.ones(len(live), dtype=bool)
                 keep[gone] = False
                 live = [j for r, j in enumerate(live) if keep[r]]
+                if walks is not None:
+                    members = walks.member[live]
+                    recorders = [(r, j) for r, j in enumerate(live)
+                                 if members[r] >= 0 and sessions[j].records_rows()]
                 attn = b.attn[keep]
                 kept = self._buffers(len(live))
                 kept.x[...] = x[keep]

@@ -98,6 +98,10 @@ class BlockSource:
     def keeps_mapped_blocks(self) -> bool:
         return self.rest.keeps_mapped_blocks
 
+    @property
+    def records_rows(self) -> bool:
+        return getattr(self.rest, "records_rows", True)
+
     def record(self, layer: int, pos0: int, x, k, v) -> None:
         self.rest.record(layer, pos0, x, k, v)
 

@@ -120,11 +120,13 @@ class _NoRegenerator:
 
     Also the shape of every session regenerator (SpillKv, RecomputeKv, BlockSource): the Atlas's
     `regenerate_page` (and optionally `map_pages`), plus `record` / `record_block` of fresh or
-    mapped rows, `allocations()` and `table_bytes()` of what it holds, `bytes_read` from a file
+    mapped rows (`records_rows`: False when `record` keeps nothing; True if absent),
+    `allocations()` and `table_bytes()` of what it holds, `bytes_read` from a file
     outside the fold's mapping, `keeps_mapped_blocks`, and `close()`.
     """
 
     keeps_mapped_blocks = False  # mapped rows go to the (unbounded) hot cache
+    records_rows = False  # `record` keeps nothing (Session.records_rows)
     bytes_read = 0
 
     def record(self, layer, pos0, x, k, v) -> None:
@@ -309,6 +311,11 @@ class Session:
         """The regenerator's copy of a decode token's rows, for a caller that attends for this
         session itself (a batched walk, atlas/batch_walk.py), as `decode_attend` makes it."""
         self.backend.record(layer, pos0, x, k_st, v_st)
+
+    def records_rows(self) -> bool:
+        """Whether the regenerator keeps a copy of a decode token's rows (`record_rows` does
+        something): False for one that keeps none (unbounded, every row resident)."""
+        return getattr(self.backend, "records_rows", True)
 
     def batch_walk_atlas(self):
         """This session's Atlas when its decode walks may join a batched call (its regenerator
