@@ -118,8 +118,13 @@ def test_the_warm_up_runs_a_batched_decode_step(monkeypatch, tiny_llama):
         real_kernel = getattr(decode_walk, name)
         monkeypatch.setattr(decode_walk, name, lambda *a, _k=real_kernel, _n=name:
                             drivers.append(_n) or _k(*a))
+    real_one = decode_walk.hot_walk_one
+    monkeypatch.setattr(decode_walk, "hot_walk_one",
+                        lambda *a: drivers.append("hot_walk_one") or real_one(*a))
     model = load_model(tiny_llama)
     app_mod.warm_up(model)
     n = model.config.n_layers
-    assert len(made) == 3 * n and all(ok.all() for ok in made[n:])  # steps 2 and 3 batched
-    assert set(drivers) == {"hot_walks", "hot_walks_parallel"}  # both drivers compiled
+    pairs = [ok for ok in made if len(ok) == 2]  # the steps of two sequences
+    assert len(pairs) == 3 * n and all(ok.all() for ok in pairs[n:])  # steps 2 and 3 batched
+    # both drivers compiled, and the single-member call (the stream's own decode)
+    assert set(drivers) == {"hot_walks", "hot_walks_parallel", "hot_walk_one"}

@@ -118,7 +118,8 @@ def create_app(model, config: ServerConfig | None = None) -> Starlette:
 
 def warm_up(model) -> None:
     """Compile (or load from numba's cache) what serving runs before a client waits for it:
-    one stream's prefill and decode, and decode steps of two sequences at once, with their
+    one stream's prefill and decode (its walks through HotWalks' single-member call), and
+    decode steps of two sequences at once, with their
     walks side by side and in turn (the batched walks' two drivers and their typed lists,
     atlas/batch_walk.py: ~1 s of compiling in every process)."""
     from cfr_atlas.models.batch import BatchItem
