@@ -171,6 +171,22 @@ def test_gated_halves_equals_the_gated_op_on_the_halves(gelu_act):
     assert act.gated_halves(gu, gelu=gelu_act, out=out) is out
 
 
+@pytest.mark.parametrize("gelu_act", [False, True])
+def test_gated_halves_on_the_threads_is_the_same_bits(gelu_act):
+    """From PARALLEL_ELEMENTS outputs the rows are split between threads: the same bits as the
+    serial kernel and as the gated op on the halves."""
+    rng = np.random.default_rng(6)
+    gu = (rng.standard_normal((80, 2 * 1024)) * 6).astype(np.float32)
+    gu[3, :3] = [np.inf, np.nan, -0.0]
+    assert gu.shape[0] * 1024 >= act.PARALLEL_ELEMENTS
+    want = (geglu if gelu_act else swiglu)(gu[:, :1024].copy(), gu[:, 1024:].copy())
+    serial = np.empty((80, 1024), dtype=np.float32)
+    act._gated_halves_kernel(gu, gelu_act, serial)
+    got = act.gated_halves(gu, gelu=gelu_act)
+    assert np.array_equal(got, want, equal_nan=True)
+    assert np.array_equal(got.view(np.uint32), serial.view(np.uint32))
+
+
 def test_gated_halves_errors():
     with pytest.raises(DimensionError, match="even"):
         act.gated_halves(np.zeros((2, 5), dtype=np.float32))

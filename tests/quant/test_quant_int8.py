@@ -469,3 +469,42 @@ print(sum(k.stats.cache_misses.get(s, 0) for k in kernels for s in k.signatures)
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True, timeout=600) for _ in range(2)]
     assert runs[1].stdout.strip() == "0", runs[1].stderr[-2000:]
+
+
+def test_activation_blocks_as_vectors_are_the_plain_loops():
+    """`_quantize_row`'s vector blocks (`_block_max_bits`, `_block_quantize`) against the plain
+    loops they replace (`_quantize_row_loops`) and the twin, bit for bit: values whose scaled
+    magnitudes land on ties (x * 127 / amax = k + 1/2), signed zeros, NaN, infinities,
+    subnormal and huge blocks, and rows read through a stride (the element-by-element load)."""
+    from numba import njit
+
+    @njit
+    def loops(x, xq, xd, xsum):
+        for t in range(x.shape[0]):
+            int8._quantize_row_loops(x[t], xq, xd, xsum, t)
+
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((40, 256)).astype(np.float32) * rng.choice(
+        [1e-30, 1e-3, 1.0, 1e3, 3e37], (40, 1)).astype(np.float32)
+    x[0, :32] = np.arange(-16, 16, dtype=np.float32) * np.float32(0.5)  # 8: amax, ties at .5
+    x[0, 32:64] = (np.arange(32, dtype=np.float32) - np.float32(15.5)) / np.float32(15.5) \
+        * np.float32(127.0)
+    x[1, :3] = [-0.0, 0.0, -0.0]
+    x[1, 32:35] = [np.nan, 1.0, 2.0]
+    x[1, 64:67] = [-np.inf, 1.0, 2.0]
+    x[1, 96:99] = [1e-40, -3e-41, 0.0]
+    x[2, :] = np.finfo(np.float32).max * np.where(np.arange(256) % 2, -1, 1)
+    for rows in (x, np.repeat(x, 2, axis=1)[:, ::2]):  # contiguous, then strided rows
+        assert np.array_equal(rows, x, equal_nan=True) and rows.flags.c_contiguous == (rows is x)
+        outs = []
+        for kernel in (int8.quantize_rows, loops):
+            xq = np.empty(x.shape, dtype=np.int8)
+            xd = np.empty((40, 8), dtype=np.float32)
+            xsum = np.empty((40, 8), dtype=np.int32)
+            kernel(rows, xq, xd, xsum)
+            outs.append((xq, xd.view(np.uint32), xsum))
+        twin = int8.quantize_numpy(x)
+        outs.append((twin[0], twin[1].view(np.uint32), twin[2]))
+        for a, b, c in zip(*outs, strict=True):
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(a, c)

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from cfr_atlas.errors import ConfigError, DimensionError
@@ -187,6 +187,22 @@ def _gated_halves_kernel(gu, gelu, out):
             _swiglu_kernel(gu[t, :hid], gu[t, hid:], out[t])
 
 
+@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
+def _gated_halves_parallel(gu, gelu, out):
+    """`_gated_halves_kernel` with the rows split between threads (each row the same loops,
+    so the same bits): a prompt chunk's (256, 2 x 1,536) took ~320 us on one thread."""
+    hid = out.shape[1]
+    for t in prange(out.shape[0]):
+        if gelu:
+            _geglu_kernel(gu[t, :hid], gu[t, hid:], out[t])
+        else:
+            _swiglu_kernel(gu[t, :hid], gu[t, hid:], out[t])
+
+
+# From this many outputs a call splits its rows between threads (as ops.norm's rule)
+PARALLEL_ELEMENTS = 1 << 16
+
+
 @njit(cache=True, nogil=True)
 def _softcap_kernel(x, inv_cap, cap, out):
     """x, out: (N,) f32; inv_cap, cap: f32 scalars; tanh(x * (1/cap)) * cap as in ggml."""
@@ -269,7 +285,8 @@ def gated_halves(gu: np.ndarray, *, gelu: bool = False, out=None) -> np.ndarray:
     if gu.shape[1] % 2:
         raise DimensionError(f"gu must have an even number of columns [gate | up], got {gu.shape}")
     out = out_buffer(out, (gu.shape[0], gu.shape[1] // 2))
-    _gated_halves_kernel(gu, bool(gelu), out)
+    kernel = _gated_halves_parallel if out.size >= PARALLEL_ELEMENTS else _gated_halves_kernel
+    kernel(gu, bool(gelu), out)
     return out
 
 

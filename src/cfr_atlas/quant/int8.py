@@ -143,15 +143,116 @@ def _f32_bits(typingctx, v):
     return types.int32(v), codegen
 
 
+_ROUNDER = np.float32(1.5 * 2**23)  # float32 v + it - it: v rounded to an integer (|v| < 2**22)
 _ABS_BITS = np.int32(0x7FFFFFFF)  # |x| on the bits
 _MAX_BITS = np.int32(0x7F7FFFFF)  # the largest finite float32; above it inf and NaN
+
+
+def _row_element(context, builder, ary_t, ary, index):
+    """A pointer to element `index` (intp) of the 1-D array value `ary` (any stride)."""
+    a = context.make_array(ary_t)(context, builder, ary)
+    stride = cgutils.unpack_tuple(builder, a.strides, 1)[0]
+    base = builder.bitcast(a.data, ir.IntType(8).as_pointer())
+    at = builder.gep(base, [builder.mul(index, stride)])
+    return builder.bitcast(at, context.get_data_type(ary_t.dtype).as_pointer())
+
+
+def _block_values(context, builder, sig, args):
+    """The QK float32 values x[k0:k0 + QK] of the block as one vector (a vector load where x
+    is contiguous, else element by element)."""
+    x_t, k0_t = sig.args[0], sig.args[1]
+    k0 = context.cast(builder, args[1], k0_t, types.intp)
+    vf = ir.VectorType(ir.FloatType(), QK)
+    if x_t.layout == "C":
+        ptr = _row_element(context, builder, x_t, args[0], k0)
+        return builder.load(builder.bitcast(ptr, vf.as_pointer()), align=4)
+    v = ir.Constant(vf, ir.Undefined)
+    for j in range(QK):
+        at = builder.add(k0, ir.Constant(k0.type, j))
+        v = builder.insert_element(v, builder.load(_row_element(context, builder, x_t,
+                                                                args[0], at)),
+                                   ir.Constant(I32, j))
+    return v
+
+
+@intrinsic
+def _block_max_bits(typingctx, x, k0):
+    """max over j < QK of (bit pattern of x[k0 + j]) & 0x7FFFFFFF, as int32: `_quantize_row`'s
+    amax on the bits, one vector and one reduction (the same value as the scalar loop)."""
+    if not (isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.float32
+            and isinstance(k0, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vi = ir.VectorType(I32, QK)
+        bits = builder.and_(builder.bitcast(_block_values(context, builder, sig, args), vi),
+                            ir.Constant(vi, [0x7FFFFFFF] * QK))
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, [vi]),
+                                            f"llvm.vector.reduce.smax.v{QK}i32")
+        return builder.call(fn, [bits])
+
+    return types.int32(x, k0), codegen
+
+
+@intrinsic
+def _block_quantize(typingctx, x, k0, inv, xq, t):
+    """xq[t, k0 + j] = int8(rint(x[k0 + j] * inv)) for j < QK (x * inv within +-127 and
+    a little: rint by adding and taking back 1.5 * 2**23 in float32, ties to even, as
+    np.rint), returning their sum as int32: `_quantize_row`'s quantization of one block as
+    vector operations (an element-wise np.rint is a library call per element, which kept
+    the loop scalar)."""
+    if not (isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.float32
+            and isinstance(k0, types.Integer) and inv == types.float32
+            and isinstance(xq, types.Array) and xq.ndim == 2 and xq.layout == "C"
+            and xq.dtype == types.int8 and isinstance(t, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vf = ir.VectorType(ir.FloatType(), QK)
+        splat = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(vf, ir.Undefined), args[2], ir.Constant(I32, 0)),
+            ir.Constant(vf, ir.Undefined), ir.Constant(ir.VectorType(I32, QK), [0] * QK))
+        v = builder.fmul(_block_values(context, builder, sig, args), splat)
+        rounder = ir.Constant(vf, [float(_ROUNDER)] * QK)
+        r = builder.fsub(builder.fadd(v, rounder), rounder)
+        q = builder.fptosi(r, ir.VectorType(ir.IntType(8), QK))
+        a = context.make_array(sig.args[3])(context, builder, args[3])
+        row_len = cgutils.unpack_tuple(builder, a.shape, 2)[1]
+        t_v = context.cast(builder, args[4], sig.args[4], types.intp)
+        k0 = context.cast(builder, args[1], sig.args[1], types.intp)
+        at = builder.gep(a.data, [builder.add(builder.mul(t_v, row_len), k0)])
+        builder.store(q, builder.bitcast(at, q.type.as_pointer()), align=1)
+        wide = builder.sext(q, ir.VectorType(I32, QK))
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(I32, [wide.type]), f"llvm.vector.reduce.add.v{QK}i32")
+        return builder.call(fn, [wide])
+
+    return types.int32(x, k0, inv, xq, t), codegen
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _quantize_row(x, xq, xd, xsum, t):
     """Row t: x (K,) float32 (any stride) -> xq[t], xd[t], xsum[t]. amax is taken on the
     bits (|x| orders as its bit pattern; an integer max vectorizes without fast-math, a float
-    one does not), which also tells inf and NaN (bits above _MAX_BITS) apart."""
+    one does not), which also tells inf and NaN (bits above _MAX_BITS) apart. Each block is
+    a few vector operations (`_block_max_bits`, `_block_quantize`)."""
+    for b in range(x.size // QK):
+        k0 = b * QK
+        m = _block_max_bits(x, k0)
+        if m > _MAX_BITS:
+            xd[t, b] = np.float32(np.nan)
+            xq[t, k0:k0 + QK] = 0
+            xsum[t, b] = 0
+            continue
+        amax = _f32_from_bits(m)
+        inv = QMAX / amax if amax >= TINY else np.float32(0.0)
+        xsum[t, b] = _block_quantize(x, k0, inv, xq, t)
+        xd[t, b] = amax / QMAX
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _quantize_row_loops(x, xq, xd, xsum, t):
+    """`_quantize_row` as the plain loops it vectorizes (the tests hold the two equal)."""
     for b in range(x.size // QK):
         k0 = b * QK
         m = np.int32(0)
