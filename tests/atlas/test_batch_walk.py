@@ -231,3 +231,37 @@ def test_a_member_whose_regenerator_refuses_leaves_the_step_alone(tiny_llama, tm
     finally:
         for s in solo + batch:
             s.close()
+
+
+def test_rows_that_name_a_non_member_or_a_member_twice_are_refused(tiny_llama):
+    """The kernels trust the row indices (a row walks its member's cache with its own
+    position): rows naming a sequence outside the group, or one member twice, are a
+    DimensionError before any call, nothing written."""
+    from cfr_atlas.errors import DimensionError
+
+    model = load_model(tiny_llama)
+    c = model.config
+    sessions = [model.session(page_tokens=PAGE) for _ in range(3)]
+    try:
+        for s in sessions:
+            model.net.forward_chunk(s, IDS[:5], output=False)
+        atlases = [sessions[0].atlas, None, sessions[2].atlas]
+        walks = batch_walk.HotWalks(atlases)
+        walks.begin(c.n_layers)
+        H, G, D = c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim
+        dt = sessions[0].atlas.config.dtype.array_dtype
+        k = np.zeros((2, H, D), dtype=dt)
+        q = np.zeros((2, H, G, D), dtype=np.float32)
+        out = np.zeros((2, H, G, D), dtype=np.float32)
+        starts = np.full(3, 5, dtype=np.int64)
+        states = [cache_state(s.atlas) for s in sessions]
+        for rows in ([0, 1], [2, 2], [0, 0]):
+            with pytest.raises(DimensionError, match="not a member, or one twice"):
+                walks.run(0, np.array(rows, dtype=np.int64), starts, k, k.copy(), q, out)
+        assert [cache_state(s.atlas) for s in sessions] == states
+        ok = walks.run(0, np.array([0, 2], dtype=np.int64), starts, k, k.copy(), q, out)
+        assert ok.shape == (2,)
+        walks.end()
+    finally:
+        for s in sessions:
+            s.close()

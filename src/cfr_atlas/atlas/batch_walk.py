@@ -123,12 +123,13 @@ class HotWalks:
             v_st: np.ndarray, q: np.ndarray, out: np.ndarray, scale=None,
             window=None) -> np.ndarray:
         """One layer for the step's rows: rows (n,) int64, rows[r] the atlas index of row r
-        (-1: none); starts (atlases,) int64, each atlas's position (indexed by atlas, not by
-        row); rows k_st, v_st (n, H, D) of the storage dtype, q (n, H, G, D) float32, out (n,
-        H, G, Dv) float32, all C-contiguous, and the layer's scale and window (the attention
-        options a decode step passes). Returns ok (n,) bool: True where the row's walk was
-        made here (out[r] written), False where the row must take its own path. The kernel
-        trusts these shapes (numba checks no index), so they are checked here."""
+        (-1: none; a member at most once, and members only); starts (atlases,) int64, each
+        atlas's position (indexed by atlas, not by row); rows k_st, v_st (n, H, D) of the
+        storage dtype, q (n, H, G, D) float32, out (n, H, G, Dv) float32, all C-contiguous,
+        and the layer's scale and window (the attention options a decode step passes).
+        Returns ok (n,) bool: True where the row's walk was made here (out[r] written), False
+        where the row must take its own path. The kernel trusts these shapes and indices
+        (numba checks no index), so they are checked here."""
         n, H, G = q.shape[:3]
         checked = self._checked
         if not (checked and checked[0] is k_st and checked[1] is v_st and checked[2] is q
@@ -140,6 +141,12 @@ class HotWalks:
             raise DimensionError(f"HotWalks.run: row indices {rows.shape} {rows.dtype} or "
                                  f"layer {layer} do not fit {n} rows of {len(self.atlases)} "
                                  f"sequences and {self.walked.shape[1]} layers")
+        if rows is not self.member:  # `member` itself names each member once, by construction
+            g = rows[rows >= 0]
+            if (self.member[g] < 0).any() or np.unique(g).size != g.size:
+                raise DimensionError(f"HotWalks.run: rows {rows.tolist()} name a sequence "
+                                     f"that is not a member, or one twice (members "
+                                     f"{self.member.tolist()})")
         ok = np.zeros(n, dtype=np.bool_)
         win = 0 if window is None else int(window)
         scales = self._scales.get(scale)

@@ -270,8 +270,9 @@ class DecodeStep:
         eps = self.eps
         starts = np.asarray(pos0s, dtype=np.int64)
         array_dtype = dtype.array_dtype
-        # the member rows (row, sequence) whose regenerator keeps a copy of the rows, and
-        # whether any row is not a member: fixed until a sequence leaves the step
+        # the walks' row indices (walks.member while every sequence is in the step) and the
+        # member rows (row, sequence) whose regenerator keeps a copy of the rows: fixed until
+        # a sequence leaves the step
         members = recorders = None
         if walks is not None:
             members = walks.member
