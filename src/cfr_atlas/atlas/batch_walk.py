@@ -135,13 +135,15 @@ class HotWalks:
         if not (checked and checked[0] is k_st and checked[1] is v_st and checked[2] is q
                 and checked[3] is out and checked[4] is starts):
             self._check(starts, k_st, v_st, q, out)
-        if (rows.shape != (n,) or rows.dtype != np.int64 or not rows.flags.c_contiguous
-                or not 0 <= layer < self.walked.shape[1]
-                or (n and not -1 <= int(rows.min()) <= int(rows.max()) < len(self.atlases))):
+        own = rows is self.member and n == rows.shape[0]  # valid by construction
+        if not own and (rows.shape != (n,) or rows.dtype != np.int64
+                        or not rows.flags.c_contiguous
+                        or (n and not -1 <= int(rows.min()) <= int(rows.max())
+                            < len(self.atlases))) or not 0 <= layer < self.walked.shape[1]:
             raise DimensionError(f"HotWalks.run: row indices {rows.shape} {rows.dtype} or "
                                  f"layer {layer} do not fit {n} rows of {len(self.atlases)} "
                                  f"sequences and {self.walked.shape[1]} layers")
-        if rows is not self.member:  # `member` itself names each member once, by construction
+        if not own:  # `member` itself names each member once
             g = rows[rows >= 0]
             if (self.member[g] < 0).any() or np.unique(g).size != g.size:
                 raise DimensionError(f"HotWalks.run: rows {rows.tolist()} name a sequence "
