@@ -473,15 +473,33 @@ print(sum(k.stats.cache_misses.get(s, 0) for k in kernels for s in k.signatures)
 
 def test_activation_blocks_as_vectors_are_the_plain_loops():
     """`_quantize_row`'s vector blocks (`_block_max_bits`, `_block_quantize`) against the plain
-    loops they replace (`_quantize_row_loops`) and the twin, bit for bit: values whose scaled
+    loops they replace and the twin, bit for bit: values whose scaled
     magnitudes land on ties (x * 127 / amax = k + 1/2), signed zeros, NaN, infinities,
     subnormal and huge blocks, and rows read through a stride (the element-by-element load)."""
     from numba import njit
 
     @njit
-    def loops(x, xq, xd, xsum):
+    def loops(x, xq, xd, xsum):  # the plain loops the vector blocks replaced
         for t in range(x.shape[0]):
-            int8._quantize_row_loops(x[t], xq, xd, xsum, t)
+            for b in range(x.shape[1] // 32):
+                k0 = b * 32
+                m = np.int32(0)
+                for j in range(32):
+                    m = max(m, int8._f32_bits(x[t, k0 + j]) & int8._ABS_BITS)
+                if m > int8._MAX_BITS:
+                    xd[t, b] = np.float32(np.nan)
+                    xq[t, k0:k0 + 32] = 0
+                    xsum[t, b] = 0
+                    continue
+                amax = int8._f32_from_bits(m)
+                inv = int8.QMAX / amax if amax >= int8.TINY else np.float32(0.0)
+                s = np.int32(0)
+                for j in range(32):
+                    q = np.int8(np.rint(x[t, k0 + j] * inv))
+                    xq[t, k0 + j] = q
+                    s += np.int32(q)
+                xd[t, b] = amax / int8.QMAX
+                xsum[t, b] = s
 
     rng = np.random.default_rng(12)
     x = rng.standard_normal((40, 256)).astype(np.float32) * rng.choice(

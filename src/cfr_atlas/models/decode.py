@@ -182,6 +182,17 @@ def _products(ws: list, h: np.ndarray, out: np.ndarray) -> None:
             out[:, cols] = w.product(h, np.empty((out.shape[0], w.shape[0]), np.float32))
 
 
+def _walk_rows(walks, sessions: list, live: list) -> tuple:
+    """(the walks' row indices: walks.member itself while every sequence is live, [(row,
+    sequence) of member rows whose regenerator keeps a copy of the rows]) for the step's live
+    sequences; (None, None) without walks."""
+    if walks is None:
+        return None, None
+    members = walks.member if len(live) == len(sessions) else walks.member[live]
+    return members, [(r, j) for r, j in enumerate(live)
+                     if members[r] >= 0 and sessions[j].records_rows()]
+
+
 _NONE = np.zeros(1, dtype=np.float32)  # an absent bias or norm, never read
 _F32 = FORMATS[0]
 
@@ -273,11 +284,7 @@ class DecodeStep:
         # the walks' row indices (walks.member while every sequence is in the step) and the
         # member rows (row, sequence) whose regenerator keeps a copy of the rows: fixed until
         # a sequence leaves the step
-        members = recorders = None
-        if walks is not None:
-            members = walks.member
-            recorders = [(r, j) for r, j in enumerate(live)
-                         if members[r] >= 0 and sessions[j].records_rows()]
+        members, recorders = _walk_rows(walks, sessions, live)
         for i, lay in enumerate(self.layers):
             x, h, d, tmp = b.x, b.h, b.d, b.tmp
             if i:
@@ -337,10 +344,7 @@ class DecodeStep:
                 keep = np.ones(len(live), dtype=bool)
                 keep[gone] = False
                 live = [j for r, j in enumerate(live) if keep[r]]
-                if walks is not None:
-                    members = walks.member[live]
-                    recorders = [(r, j) for r, j in enumerate(live)
-                                 if members[r] >= 0 and sessions[j].records_rows()]
+                members, recorders = _walk_rows(walks, sessions, live)
                 attn = b.attn[keep]
                 kept = self._buffers(len(live))
                 kept.x[...] = x[keep]

@@ -174,29 +174,31 @@ def _geglu_kernel(gate, up, out):
         out[i] = _gelu1(gate[i]) * up[i]
 
 
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _gated_row(gu, gelu, out, t):
+    """Row t: `_swiglu_kernel` / `_geglu_kernel` on its halves (contiguous slices, so the
+    loops vectorize as they do on whole arrays)."""
+    hid = out.shape[1]
+    if gelu:
+        _geglu_kernel(gu[t, :hid], gu[t, hid:], out[t])
+    else:
+        _swiglu_kernel(gu[t, :hid], gu[t, hid:], out[t])
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def _gated_halves_kernel(gu, gelu, out):
     """gu (T, 2H) f32 rows [gate | up], out (T, H) f32: act(gate) * up, act gelu if gelu
-    else silu: `_swiglu_kernel` / `_geglu_kernel` on each row's halves (contiguous slices, so
-    the loops vectorize as they do on whole arrays)."""
-    hid = out.shape[1]
+    else silu, row by row (`_gated_row`)."""
     for t in range(out.shape[0]):
-        if gelu:
-            _geglu_kernel(gu[t, :hid], gu[t, hid:], out[t])
-        else:
-            _swiglu_kernel(gu[t, :hid], gu[t, hid:], out[t])
+        _gated_row(gu, gelu, out, t)
 
 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def _gated_halves_parallel(gu, gelu, out):
     """`_gated_halves_kernel` with the rows split between threads (each row the same loops,
     so the same bits): a prompt chunk's (256, 2 x 1,536) took ~320 us on one thread."""
-    hid = out.shape[1]
     for t in prange(out.shape[0]):
-        if gelu:
-            _geglu_kernel(gu[t, :hid], gu[t, hid:], out[t])
-        else:
-            _swiglu_kernel(gu[t, :hid], gu[t, hid:], out[t])
+        _gated_row(gu, gelu, out, np.int64(t))
 
 
 # From this many outputs a call splits its rows between threads (as ops.norm's rule)

@@ -164,8 +164,7 @@ def _block_values(context, builder, sig, args):
     k0 = context.cast(builder, args[1], k0_t, types.intp)
     vf = ir.VectorType(ir.FloatType(), QK)
     if x_t.layout == "C":
-        ptr = _row_element(context, builder, x_t, args[0], k0)
-        return builder.load(builder.bitcast(ptr, vf.as_pointer()), align=4)
+        return builder.load(_ptr(context, builder, x_t, args[0], k0, vf), align=4)
     v = ir.Constant(vf, ir.Undefined)
     for j in range(QK):
         at = builder.add(k0, ir.Constant(k0.type, j))
@@ -186,7 +185,7 @@ def _block_max_bits(typingctx, x, k0):
     def codegen(context, builder, sig, args):
         vi = ir.VectorType(I32, QK)
         bits = builder.and_(builder.bitcast(_block_values(context, builder, sig, args), vi),
-                            ir.Constant(vi, [0x7FFFFFFF] * QK))
+                            _splat(vi, 0x7FFFFFFF))
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, [vi]),
                                             f"llvm.vector.reduce.smax.v{QK}i32")
         return builder.call(fn, [bits])
@@ -213,15 +212,15 @@ def _block_quantize(typingctx, x, k0, inv, xq, t):
             builder.insert_element(ir.Constant(vf, ir.Undefined), args[2], ir.Constant(I32, 0)),
             ir.Constant(vf, ir.Undefined), ir.Constant(ir.VectorType(I32, QK), [0] * QK))
         v = builder.fmul(_block_values(context, builder, sig, args), splat)
-        rounder = ir.Constant(vf, [float(_ROUNDER)] * QK)
+        rounder = _splat(vf, float(_ROUNDER))
         r = builder.fsub(builder.fadd(v, rounder), rounder)
         q = builder.fptosi(r, ir.VectorType(ir.IntType(8), QK))
-        a = context.make_array(sig.args[3])(context, builder, args[3])
-        row_len = cgutils.unpack_tuple(builder, a.shape, 2)[1]
+        row_len = cgutils.unpack_tuple(
+            builder, context.make_array(sig.args[3])(context, builder, args[3]).shape, 2)[1]
         t_v = context.cast(builder, args[4], sig.args[4], types.intp)
         k0 = context.cast(builder, args[1], sig.args[1], types.intp)
-        at = builder.gep(a.data, [builder.add(builder.mul(t_v, row_len), k0)])
-        builder.store(q, builder.bitcast(at, q.type.as_pointer()), align=1)
+        at = builder.add(builder.mul(t_v, row_len), k0)
+        builder.store(q, _ptr(context, builder, sig.args[3], args[3], at, q.type), align=1)
         wide = builder.sext(q, ir.VectorType(I32, QK))
         fn = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(I32, [wide.type]), f"llvm.vector.reduce.add.v{QK}i32")
@@ -235,7 +234,8 @@ def _quantize_row(x, xq, xd, xsum, t):
     """Row t: x (K,) float32 (any stride) -> xq[t], xd[t], xsum[t]. amax is taken on the
     bits (|x| orders as its bit pattern; an integer max vectorizes without fast-math, a float
     one does not), which also tells inf and NaN (bits above _MAX_BITS) apart. Each block is
-    a few vector operations (`_block_max_bits`, `_block_quantize`)."""
+    a few vector operations (`_block_max_bits`, `_block_quantize`; the tests hold them to
+    the plain loops)."""
     for b in range(x.size // QK):
         k0 = b * QK
         m = _block_max_bits(x, k0)
@@ -248,30 +248,6 @@ def _quantize_row(x, xq, xd, xsum, t):
         inv = QMAX / amax if amax >= TINY else np.float32(0.0)
         xsum[t, b] = _block_quantize(x, k0, inv, xq, t)
         xd[t, b] = amax / QMAX
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _quantize_row_loops(x, xq, xd, xsum, t):
-    """`_quantize_row` as the plain loops it vectorizes (the tests hold the two equal)."""
-    for b in range(x.size // QK):
-        k0 = b * QK
-        m = np.int32(0)
-        for j in range(QK):
-            m = max(m, _f32_bits(x[k0 + j]) & _ABS_BITS)
-        if m > _MAX_BITS:
-            xd[t, b] = np.float32(np.nan)
-            xq[t, k0:k0 + QK] = 0
-            xsum[t, b] = 0
-            continue
-        amax = _f32_from_bits(m)
-        inv = QMAX / amax if amax >= TINY else np.float32(0.0)
-        s = np.int32(0)
-        for j in range(QK):
-            q = np.int8(np.rint(x[k0 + j] * inv))
-            xq[t, k0 + j] = q
-            s += np.int32(q)
-        xd[t, b] = amax / QMAX
-        xsum[t, b] = s
 
 
 @njit(cache=True, nogil=True)
