@@ -264,6 +264,9 @@ def test_integer_simd_in_assembly(qtype):
     for op in simd_ops():
         assert re.search(rf"\b{op}\b", asm), op
     assert not re.search(r"\bvphaddd\b", asm)  # rows line up in lanes: no horizontal adds
+    if int8.WIDE:  # 16 rows a vector: every vpdpbusd on 512-bit registers
+        dots = re.findall(r"\bvpdpbusd\b[^\n]*", asm)
+        assert dots and all("zmm" in line for line in dots)
     if int8.ISA == int8.VNNI_DOT:  # int8 weights read unsigned as stored: no sign handling
         assert not re.search(r"\bvpsignb\b", asm)
 
@@ -285,7 +288,8 @@ def test_every_dot_and_kernel_gives_the_same_bits(bits, term):
     the same bits on any weight bytes, including int8 -128 and 127, every nibble 15 and every
     5-bit weight 31; int8 on vpdpbusd reads the stored bytes unsigned and takes 128 xsum off
     in the term, the others flip them back first. Token counts cover fours, a pair, one, and
-    fours then a pair then one."""
+    fours then a pair then one, and for the wide register kernel (16 rows a vector, where the
+    target has AVX-512 BW and VNNI) eights, then four, a pair and one in every combination."""
     rng = np.random.default_rng(11)
     n, k, unit = 70, 256, int8.UNIT[bits]
     q = rng.integers(0, 256, size=(n, k // 32 * unit)).astype(np.uint8)
@@ -294,9 +298,11 @@ def test_every_dot_and_kernel_gives_the_same_bits(bits, term):
     tiles = int8.to_block_tiles(q, unit)
     d = to_tiles(rng.random((n, k // 32)).astype(np.float32))
     m = to_tiles(rng.standard_normal((n, k // 32)).astype(np.float32))
-    kernels = [int8.tile_kernel(bits, term, isa=isa, in_registers=regs)
+    kernels = [int8.tile_kernel(bits, term, isa=isa, in_registers=regs, rows=int8.GROUP)
                for isa in int8.ISAS for regs in (True, False)]
-    for t in (1, 2, 3, 4, 7):
+    if int8.WIDE:  # 16 rows a vector, tokens in eights
+        kernels.append(int8.tile_kernel(bits, term, isa=int8.VNNI_DOT, rows=int8.WIDE_ROWS))
+    for t in (1, 2, 3, 4, 7, 8, 9, 12, 15, 30):
         xq, xd, xsum = int8.quantize(_x(t, k, seed=t))
         got = [np.empty((t, n), dtype=np.float32) for _ in kernels]
         for kernel, out in zip(kernels, got, strict=True):
@@ -308,18 +314,26 @@ def test_every_dot_and_kernel_gives_the_same_bits(bits, term):
 def test_register_sums_with_vnni_on_32_vector_registers():
     """The kernel keeps its sums in registers for vpdpbusd dots on a target with AVX-512's 32
     vector registers, else the memory kernel (which ran faster with 16 registers, and for
-    int8 weights with AVX2's dots: int8.REGISTER_SUMS); Q6_K / Q3_K follow the same rule."""
+    int8 weights with AVX2's dots: int8.REGISTER_SUMS); Q6_K / Q3_K follow the same rule.
+    With AVX-512 BW too (int8.WIDE) the block tiles' register passes take 16 rows a vector;
+    Q6_K / Q3_K's dots stay 8 rows a vector."""
     assert int8.REGISTER_SUMS == (int8.VNNI and int8._target_has("avx512f", "avx512vnni",
                                                                   "avx512vl"))
+    assert int8.WIDE == (int8.REGISTER_SUMS and int8._target_has("avx512bw"))
 
     def kind(kernel):
         return kernel.py_func.__qualname__.split(".")[0]
 
     for isa in int8.ISAS:
-        want = "_register_kernel" if int8.REGISTER_SUMS and isa == int8.VNNI_DOT \
-            else "_memory_kernel"
-        assert kind(int8.tile_kernel(4, int8.OFFSET8, isa=isa)) == want
+        registers = int8.REGISTER_SUMS and isa == int8.VNNI_DOT
+        want = "_register_kernel" if registers else "_memory_kernel"
+        wide = "_wide_kernel" if registers and int8.WIDE else want
+        for bits in int8.UNIT:
+            assert kind(int8.tile_kernel(bits, int8.OFFSET8, isa=isa)) == wide
+            assert int8.pass_rows(bits, isa) == (int8.WIDE_ROWS if wide == "_wide_kernel"
+                                                 else int8.GROUP)
         assert kind(int8_sub16.tile_kernel(isa=isa)) == want
+        assert int8.pass_rows(int8.SUB16, isa) == int8.GROUP
 
 
 @pytest.mark.parametrize("bits, term", [(8, int8.SCALE), (4, int8.OFFSET8), (4, int8.MIN),

@@ -90,6 +90,7 @@ from cfr_atlas.quant.tiles import TILE_ROWS
 QK = 32  # activation block: the block of every integer-path weight format
 UNIT = {8: QK, 4: QK // 2, 5: QK // 2 + QK // 8}  # weight bytes of one row's block, by bits
 GROUP = 8  # weight rows per integer-dot intrinsic call (one 8 x int32 result vector)
+WIDE_ROWS = 2 * GROUP  # weight rows a vector of a wide register pass (512-bit vectors, `WIDE`)
 CHUNK = 4  # bytes of one row in a chunk vector (vpmaddubsw + vpmaddwd sum 4 products)
 QMAX = np.float32(127.0)
 TINY = np.float32(QMAX / np.finfo(np.float32).max)  # below it, 127 / amax overflows
@@ -426,15 +427,18 @@ def _splat(v, x):
 
 
 def _splat_value(builder, vec, x):
-    """A scalar repeated across the GROUP lanes of a vector type."""
+    """A scalar repeated across the lanes of a vector type."""
     one = builder.insert_element(ir.Constant(vec, None), x, ir.Constant(I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(vec, None), ir.Constant(V32, [0] * GROUP))
+    mask = ir.Constant(ir.VectorType(I32, vec.count), [0] * vec.count)
+    return builder.shuffle_vector(one, ir.Constant(vec, None), mask)
 
 
-def _broadcast(context, builder, x_t, x, xo, j):
-    """Activations x[xo + j .. xo + j + 3] repeated 8 times as a <32 x i8>."""
+def _broadcast(context, builder, x_t, x, xo, j, rows=GROUP):
+    """Activations x[xo + j .. xo + j + 3] repeated `rows` times: a <4 rows x i8> (a chunk
+    vector's 4 bytes of each of its rows)."""
     p = _ptr(context, builder, x_t, x, builder.add(xo, ir.Constant(xo.type, j)), I32)
-    return builder.bitcast(_splat_value(builder, V32, builder.load(p, align=1)), V8)
+    vec = _splat_value(builder, ir.VectorType(I32, rows), builder.load(p, align=1))
+    return builder.bitcast(vec, ir.VectorType(I8, CHUNK * rows))
 
 
 def _madd_avx2(builder, u, s):
@@ -481,11 +485,15 @@ def _dot_vnni(builder, pairs):
     """vpdpbusd: each int32 lane (one row) += its 4 unsigned weight bytes x the 4 signed
     activations, one instruction a chunk (int8 weights as stored, u = w + 128: the caller's
     term takes the 128 xsum off). Two accumulators, added at the end (exact in int32: the
-    order is free)."""
-    accs = [_splat(V32, 0), _splat(V32, 0)]
+    order is free). 8 rows a chunk vector (256 bits) or 16 (512 bits, `WIDE`)."""
+    rows = pairs[0][0].type.count // CHUNK
+    vec = ir.VectorType(I32, rows)
+    name = "llvm.x86.avx512.vpdpbusd.512" if rows == WIDE_ROWS else \
+        "llvm.x86.avx512.vpdpbusd.256"
+    accs = [_splat(vec, 0), _splat(vec, 0)]
     for k, (u, s) in enumerate(pairs):
-        accs[k % 2] = _x86(builder, "llvm.x86.avx512.vpdpbusd.256", V32, accs[k % 2],
-                           builder.bitcast(u, V32), builder.bitcast(s, V32))
+        accs[k % 2] = _x86(builder, name, vec, accs[k % 2], builder.bitcast(u, vec),
+                           builder.bitcast(s, vec))
     return builder.add(*accs)
 
 
@@ -518,10 +526,10 @@ def _dot_chunks(builder, chunks, xbs, bits, isa):
 def _shift_to_bit4(builder, v, bit):
     """(v >> bit) << 4 & 0x10 per byte: bit `bit` of each byte of v moved to bit 4."""
     if bit < 4:
-        v = builder.shl(v, _splat(V8, 4 - bit))
+        v = builder.shl(v, _splat(v.type, 4 - bit))
     elif bit > 4:
-        v = builder.lshr(v, _splat(V8, bit - 4))
-    return builder.and_(v, _splat(V8, 0x10))
+        v = builder.lshr(v, _splat(v.type, bit - 4))
+    return builder.and_(v, _splat(v.type, 0x10))
 
 
 def _weight_chunks(builder, raw, bits):
@@ -529,8 +537,8 @@ def _weight_chunks(builder, raw, bits):
     if bits == 8:
         return raw, [CHUNK * c for c in range(len(raw))]
     nib = raw[:QK // 2 // CHUNK]  # chunk c: weights 4c .. 4c + 3 (low nibbles), 16 + 4c .. (high)
-    lows = [builder.and_(v, _splat(V8, 0x0F)) for v in nib]
-    highs = [builder.lshr(v, _splat(V8, 4)) for v in nib]
+    lows = [builder.and_(v, _splat(v.type, 0x0F)) for v in nib]
+    highs = [builder.lshr(v, _splat(v.type, 4)) for v in nib]
     if bits == 5:  # the fifth vector's bits 2c, 2c + 1 are chunk c's high bits
         hb = raw[-1]
         lows = [builder.or_(v, _shift_to_bit4(builder, hb, 2 * c)) for c, v in enumerate(lows)]
@@ -540,12 +548,21 @@ def _weight_chunks(builder, raw, bits):
     return lows + highs, starts + [QK // 2 + j for j in starts]
 
 
-def _group_chunks(context, builder, w_t, w, wo, bits):
+def _group_chunks(context, builder, w_t, w, wo, bits, rows=GROUP):
     """The chunk vectors of the 8-row group's block at w[wo:] (block tiles), loaded and
-    unpacked, with each chunk's first weight (`_weight_chunks`)."""
-    raw = [builder.load(_ptr(context, builder, w_t, w,
-                             builder.add(wo, ir.Constant(wo.type, c * QK)), V8), align=1)
-           for c in range(UNIT[bits] // CHUNK)]
+    unpacked, with each chunk's first weight (`_weight_chunks`); rows WIDE_ROWS: the group's
+    and the next group's vectors joined (<64 x i8>, the next group's rows in the upper half),
+    16 rows a vector."""
+
+    def load(offset):
+        p = _ptr(context, builder, w_t, w, builder.add(wo, ir.Constant(wo.type, offset)), V8)
+        return builder.load(p, align=1)
+
+    raw = [load(c * QK) for c in range(UNIT[bits] // CHUNK)]
+    if rows == WIDE_ROWS:  # the next group's block starts GROUP rows' bytes on
+        join = ir.Constant(ir.VectorType(I32, 2 * V8.count), list(range(2 * V8.count)))
+        raw = [builder.shuffle_vector(v, load(GROUP * UNIT[bits] + c * QK), join)
+               for c, v in enumerate(raw)]
     return _weight_chunks(builder, raw, bits)
 
 
@@ -629,7 +646,6 @@ def dot_offset(bits: int, isa: int) -> int:
 
 F32 = ir.FloatType()
 VF = ir.VectorType(F32, GROUP)
-VH, VI16 = ir.VectorType(ir.HalfType(), GROUP), ir.VectorType(I16, GROUP)
 
 
 def widen_scales(a: np.ndarray) -> np.ndarray:
@@ -638,34 +654,39 @@ def widen_scales(a: np.ndarray) -> np.ndarray:
     return a.view(np.float16).astype(np.float32) if a.dtype == np.uint16 else a
 
 
-def _scales(context, builder, a_t, a, k):
-    """<8 x float> of a[k .. k + 7]: float32 loaded as is, uint16 float16 bits widened (exact:
-    vcvtph2ps with F16C)."""
+def _scales(context, builder, a_t, a, k, rows=GROUP):
+    """<rows x float> of a[k .. k + rows - 1]: float32 loaded as is, uint16 float16 bits widened
+    (exact: vcvtph2ps with F16C)."""
+    vf = ir.VectorType(F32, rows)
     if a_t.dtype == types.uint16:
-        bits = builder.load(_ptr(context, builder, a_t, a, k, VI16), align=2)
-        return builder.fpext(builder.bitcast(bits, VH), VF)
-    return builder.load(_ptr(context, builder, a_t, a, k, VF), align=4)
+        bits = builder.load(_ptr(context, builder, a_t, a, k, ir.VectorType(I16, rows)),
+                            align=2)
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), rows)), vf)
+    return builder.load(_ptr(context, builder, a_t, a, k, vf), align=4)
 
 
 def _block_term(context, builder, dot, xs, xs_t, dx, d_t, d, m_t, m, k, term):
-    """The float32 block term of 8 rows (<8 x float>) from their int32 dots (<8 x i32>): the
-    scalar rule of _add_terms, lane by lane (the same IEEE float32 operations in the same
-    order, no fast-math flags, so no contraction into FMA and the same bits as one row at a
-    time). xs: the activation block's integer sum (of type xs_t), dx its float32 scale; the
-    rows' scales at d[k], m[k] (MIN only)."""
+    """The float32 block term of 8 rows (<8 x float>) from their int32 dots (<8 x i32>), or of
+    16 (<16 x ...>, a wide pass): the scalar rule of _add_terms, lane by lane (the same IEEE
+    float32 operations in the same order, no fast-math flags, so no contraction into FMA and
+    the same bits as one row at a time). xs: the activation block's integer sum (of type
+    xs_t), dx its float32 scale; the rows' scales at d[k], m[k] (MIN only)."""
+    rows = dot.type.count
+    vi, vf = dot.type, ir.VectorType(F32, rows)
     xs = context.cast(builder, xs, xs_t, types.int32)  # |xs| <= 32 * 127: exact
     if term & FLIP:  # the dots of int8 weights read as stored: isum + 128 xs
-        dot = builder.sub(dot, _splat_value(builder, V32, builder.mul(xs, ir.Constant(I32, 128))))
+        dot = builder.sub(dot, _splat_value(builder, vi, builder.mul(xs, ir.Constant(I32, 128))))
         term &= ~FLIP
     if term in _OFFSETS:  # isum - 8 xs or - 16 xs, exact in int32 (|isum| <= 32 * 31 * 127)
         shift_xs = builder.mul(xs, ir.Constant(I32, _OFFSETS[term]))
-        dot = builder.sub(dot, _splat_value(builder, V32, shift_xs))
-    scaled = builder.fmul(_scales(context, builder, d_t, d, k), _splat_value(builder, VF, dx))
-    t = builder.fmul(scaled, builder.sitofp(dot, VF))
+        dot = builder.sub(dot, _splat_value(builder, vi, shift_xs))
+    scaled = builder.fmul(_scales(context, builder, d_t, d, k, rows),
+                          _splat_value(builder, vf, dx))
+    t = builder.fmul(scaled, builder.sitofp(dot, vf))
     if term == MIN:  # + m_k * (dx * xs)
         dxs = builder.fmul(dx, builder.sitofp(xs, F32))
-        t = builder.fadd(t, builder.fmul(_scales(context, builder, m_t, m, k),
-                                         _splat_value(builder, VF, dxs)))
+        t = builder.fadd(t, builder.fmul(_scales(context, builder, m_t, m, k, rows),
+                                         _splat_value(builder, vf, dxs)))
     return t
 
 
@@ -721,12 +742,13 @@ class PassWeights(NamedTuple):
     """How a register pass reads one 8-row group's block of a kind of weights (the `bits`
     literal of `tile_dots`): UNIT's 4, 5 and 8 here, SUB16 registered by int8_sub16.py."""
 
-    # (context, builder, sig, args, b, g, isa) -> (state, activation offsets to broadcast):
-    # loads (and unpacks) group g's block b; sig and args are tile_dots' (m: the scales it
-    # reads, if any)
+    # (context, builder, sig, args, b, g, isa, rows) -> (state, activation offsets to
+    # broadcast): loads (and unpacks) group g's block b (rows WIDE_ROWS: groups g and g + 1
+    # joined); sig and args are tile_dots' (m: the scales it reads, if any)
     load: Callable
-    dot: Callable  # (builder, state, broadcasts, isa) -> <8 x i32> the rows' dots
+    dot: Callable  # (builder, state, broadcasts, isa) -> <rows x i32> the rows' dots
     m_types: tuple  # numba dtypes tile_dots' m may have for these weights
+    rows: tuple = (GROUP,)  # the rows a vector it can take: GROUP, and WIDE_ROWS if it can
 
 
 SUB16 = 16  # `tile_dots`' bits for int8_sub16's weights (Q6_K, Q3_K: scaled halves)
@@ -736,17 +758,17 @@ _SCALE_TYPES = (types.float32, types.uint16)  # float32 scales, or float16 bits 
 def _block_tile_weights(bits: int) -> PassWeights:
     """PassWeights of this module's block tiles of `bits`-bit weights."""
 
-    def load(context, builder, sig, args, b, g, isa):
+    def load(context, builder, sig, args, b, g, isa, rows):
         intp = context.get_value_type(types.intp)
         unit = UNIT[bits]
         wo = builder.add(builder.mul(b, ir.Constant(intp, TILE_ROWS * unit)),
                          ir.Constant(intp, g * GROUP * unit))
-        return _group_chunks(context, builder, sig.args[0], args[0], wo, bits)
+        return _group_chunks(context, builder, sig.args[0], args[0], wo, bits, rows)
 
     def dot(builder, chunks, xbs, isa):
         return _dot_chunks(builder, chunks, xbs, bits, isa)
 
-    return PassWeights(load, dot, _SCALE_TYPES)
+    return PassWeights(load, dot, _SCALE_TYPES, (GROUP, WIDE_ROWS))
 
 
 PASS_WEIGHTS: dict[int, PassWeights] = {bits: _block_tile_weights(bits) for bits in UNIT}
@@ -756,7 +778,7 @@ def _tile_dots_codegen(context, builder, sig, args):
     """Codegen of tile_dots: a loop over the blocks whose float32 sums stay in registers."""
     q_t, xq_t, t_t, xd_t, xs_t, d_t, m_t, acc_t = sig.args[:8]
     q, xq, t, xd, xsum, d, m, acc = args[:8]
-    bits, isa, term, tokens = (a.literal_value for a in sig.args[8:])
+    bits, isa, term, tokens, rows = (a.literal_value for a in sig.args[8:])
     weights, R = PASS_WEIGHTS[bits], TILE_ROWS
     intp = context.get_value_type(types.intp)
 
@@ -768,57 +790,63 @@ def _tile_dots_codegen(context, builder, sig, args):
     t = context.cast(builder, t, t_t, types.intp)
     xd_data = context.make_array(xd_t)(context, builder, xd).data
     xs_data = context.make_array(xs_t)(context, builder, xsum).data
-    zero = ir.Constant(VF, [ir.Constant(F32, 0.0)] * GROUP)
-    # one sum per (token, 8-row group): allocas, which LLVM promotes to registers
-    sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(R // GROUP)]
-            for _ in range(tokens)]
-    rows = [builder.add(t, const(j)) for j in range(tokens)]
+    vf = ir.VectorType(F32, rows)
+    zero = ir.Constant(vf, [ir.Constant(F32, 0.0)] * rows)
+    groups = range(0, R // GROUP, rows // GROUP)  # a vector's first 8-row group
+    # one sum per (token, vector of rows): allocas, which LLVM promotes to registers
+    sums = [[cgutils.alloca_once_value(builder, zero) for _ in groups] for _ in range(tokens)]
+    tok = [builder.add(t, const(j)) for j in range(tokens)]
     with cgutils.for_range(builder, nb) as loop:
         b = loop.index
-        xos = [builder.add(builder.mul(r, K), builder.mul(b, const(QK))) for r in rows]
-        blk = [builder.add(builder.mul(r, nb), b) for r in rows]  # (row, b) in xd, xsum
+        xos = [builder.add(builder.mul(r, K), builder.mul(b, const(QK))) for r in tok]
+        blk = [builder.add(builder.mul(r, nb), b) for r in tok]  # (row, b) in xd, xsum
         dxs = [builder.load(builder.gep(xd_data, [i])) for i in blk]
         xss = [builder.load(builder.gep(xs_data, [i])) for i in blk]
-        for g in range(R // GROUP):
-            state, starts = weights.load(context, builder, sig, args, b, g, isa)
+        for v, g in enumerate(groups):
+            state, starts = weights.load(context, builder, sig, args, b, g, isa, rows)
             k = builder.add(builder.mul(b, const(R)), const(g * GROUP))
-            # each group loads its broadcasts anew (merged, four groups' tokens' broadcasts
+            # each vector loads its broadcasts anew (merged, four groups' tokens' broadcasts
             # would be live at once: they spilled)
             apart = _opaque_zero(builder, intp)
             for j in range(tokens):
                 xo = builder.add(xos[j], apart)
-                xbs = [_broadcast(context, builder, xq_t, xq, xo, s) for s in starts]
+                xbs = [_broadcast(context, builder, xq_t, xq, xo, s, rows) for s in starts]
                 dot = weights.dot(builder, state, xbs, isa)
                 term_v = _block_term(context, builder, dot, xss[j], xs_t.dtype, dxs[j], d_t, d,
                                      m_t, m, k, term)
-                builder.store(builder.fadd(builder.load(sums[j][g]), term_v), sums[j][g])
+                builder.store(builder.fadd(builder.load(sums[j][v]), term_v), sums[j][v])
     for j in range(tokens):
-        for g in range(R // GROUP):
+        for v, g in enumerate(groups):
             at = const(j * R + g * GROUP)
-            builder.store(builder.load(sums[j][g]), _ptr(context, builder, acc_t, acc, at, VF),
+            builder.store(builder.load(sums[j][v]), _ptr(context, builder, acc_t, acc, at, vf),
                           align=4)
     return context.get_dummy_value()
 
 
 @intrinsic
-def tile_dots(typingctx, q, xq, t, xd, xsum, d, m, acc, bits, isa, term, tokens):
+def tile_dots(typingctx, q, xq, t, xd, xsum, d, m, acc, bits, isa, term, tokens, rows):
     """acc[j, :] = the tile's outputs for token t + j (j < tokens): every block's dots and term
     (`_block_term`) added in block order into float32 sums held in registers for the whole
-    row, one load and unpack of a group's weights serving all the tokens. q: the tile's bytes
+    row, one load and unpack of a vector's weights serving all the tokens. q: the tile's bytes
     (block tiles); xq (T, K) int8, xd (T, K // QK) float32, xsum (T, K // QK) int32, all
     C-contiguous; d, m: the tile's scales (m read for MIN only; for SUB16 the tile's int8
     sub-block scales); acc (tokens or more, TILE_ROWS) float32. bits (a key of PASS_WEIGHTS),
-    isa, term (with FLIP where `dot_offset`) and tokens: literal ints."""
-    literal = all(isinstance(a, types.IntegerLiteral) for a in (bits, isa, term, tokens))
+    isa, term (with FLIP where `dot_offset`), tokens and rows (weight rows a vector: GROUP,
+    or WIDE_ROWS where the weights take it and isa is VNNI_DOT): literal ints."""
+    literal = all(isinstance(a, types.IntegerLiteral) for a in (bits, isa, term, tokens, rows))
     arrays = (isinstance(a, types.Array) and a.layout == "C" for a in (q, xq, xd, xsum, d, m, acc))
     if not literal or not all(arrays) or bits.literal_value not in PASS_WEIGHTS:
         return None
-    m_ok = m.dtype in PASS_WEIGHTS[bits.literal_value].m_types
+    weights = PASS_WEIGHTS[bits.literal_value]
+    m_ok = m.dtype in weights.m_types
+    rows_ok = rows.literal_value in weights.rows and (
+        rows.literal_value == GROUP or isa.literal_value == VNNI_DOT)
     if not literal_isa(isa) or xq.ndim != 2 or xq.dtype != types.int8 or not m_ok \
-            or xd.dtype != types.float32 or xsum.dtype != types.int32 \
+            or not rows_ok or xd.dtype != types.float32 or xsum.dtype != types.int32 \
             or acc.dtype != types.float32 or d.dtype not in _SCALE_TYPES:
         return None  # the loads below assume these element types, contiguous
-    return types.void(q, xq, t, xd, xsum, d, m, acc, bits, isa, term, tokens), _tile_dots_codegen
+    sig = types.void(q, xq, t, xd, xsum, d, m, acc, bits, isa, term, tokens, rows)
+    return sig, _tile_dots_codegen
 
 
 # Whether the tile kernel's vpdpbusd dots keep their sums in registers (`tile_kernel`): with
@@ -829,6 +857,15 @@ def tile_dots(typingctx, q, xq, t, xd, xsum, d, m, acc, bits, isa, term, tokens)
 # but lost for int8 weights (1.06-1.24x: their sign handling), so they keep the memory kernel
 # too (docs/PERFORMANCE.md, session 44).
 REGISTER_SUMS = VNNI and _target_has("avx512f", "avx512vnni", "avx512vl")
+# Whether the register passes of block tiles (4, 5 and 8 bits) take 16 rows a vector: two
+# 8-row groups' chunk vectors joined into one 512-bit vector (`_group_chunks`), one 512-bit
+# vpdpbusd a chunk, and eight tokens a pass (16 sums of 16 rows in 32 registers). Per row
+# and token the same int32 dots and float32 operations in the same order, so the same bits;
+# half the broadcasts and term instructions a row. Paired in one process on this AMD EPYC
+# Zen 4 (its 512-bit operations take two 256-bit halves), 1,536 x 576 tiles in cache,
+# 16-row / 8-row time: Q4_0 0.81-0.89, Q4_1 0.90-0.96, Q8_0 0.86-0.90 from 8 tokens up
+# (docs/PERFORMANCE.md, session 47).
+WIDE = REGISTER_SUMS and _target_has("avx512bw")
 
 
 def registers_for(isa: int) -> bool:
@@ -836,7 +873,15 @@ def registers_for(isa: int) -> bool:
     return REGISTER_SUMS and isa == VNNI_DOT
 
 
-def tile_kernel(bits: int, term: int, isa: int = ISA, in_registers: bool | None = None):
+def pass_rows(bits: int, isa: int) -> int:
+    """Weight rows a vector in the register kernel's passes for `bits` (a key of PASS_WEIGHTS)
+    on isa by default: WIDE_ROWS where `WIDE`, isa is VNNI_DOT and the weights take it."""
+    wide = WIDE and isa == VNNI_DOT and WIDE_ROWS in PASS_WEIGHTS[bits].rows
+    return WIDE_ROWS if wide else GROUP
+
+
+def tile_kernel(bits: int, term: int, isa: int = ISA, in_registers: bool | None = None,
+                rows: int | None = None):
     """The parallel integer-path kernel(xq, xd, xsum, q, d, m, out) for block tiles of int8
     weights (bits=8), GGUF's packed nibbles (4) or 5-bit weights (5), with one of the terms
     above (m is unused unless term == MIN: pass d). Threads split the tiles; tokens go in
@@ -850,19 +895,26 @@ def tile_kernel(bits: int, term: int, isa: int = ISA, in_registers: bool | None 
       their terms added into float32 sums in memory (`_add_terms`).
     The two give the same bits (the same operations in the same order). isa picks the dots'
     instructions (ISA: the best the target has; PORTABLE builds on any machine; the tests
-    compare every one the machine runs, both ways).
+    compare every one the machine runs, both ways). rows (None: `pass_rows`) is the register
+    kernel's weight rows a vector: GROUP, or WIDE_ROWS (VNNI_DOT on a target with AVX-512 BW:
+    tokens in eights, then four, a pair, one).
     The kernel's closure holds plain values only (numba's disk cache keys a closure by its
     pickled cells, and an intrinsic or dispatcher object pickles differently in every process,
     so a closure over one was compiled anew by every process: ~3 s of each int8 start)."""
     bits, isa = int(bits), int(isa)
     term = int(term) | (FLIP if dot_offset(bits, isa) else 0)
     if registers_for(isa) if in_registers is None else in_registers:
-        return _register_kernel(bits, isa, term)
+        return _register_kernel(bits, isa, term, rows)
     return _memory_kernel(bits, isa, term)
 
 
-def _register_kernel(bits: int, isa: int, term: int):
-    """`tile_kernel` with its sums in registers."""
+def _register_kernel(bits: int, isa: int, term: int, rows: int | None = None):
+    """`tile_kernel` with its sums in registers, `rows` weight rows a vector (None:
+    `pass_rows`)."""
+    rows = pass_rows(bits, isa) if rows is None else int(rows)
+    if rows == WIDE_ROWS:
+        return _wide_kernel(bits, isa, term)
+    G = GROUP
     R = TILE_ROWS
 
     @njit(parallel=True, cache=True, nogil=True)
@@ -876,16 +928,51 @@ def _register_kernel(bits: int, isa: int, term: int):
             n0 = i * R
             lanes = min(R, N - n0)
             for t in range(0, T - 3, 4):  # four tokens per weight load
-                tile_dots(q[i], xq, t, xd, xsum, d[i], m[i], acc, bits, isa, term, 4)
+                tile_dots(q[i], xq, t, xd, xsum, d[i], m[i], acc, bits, isa, term, 4, G)
                 for j in range(4):
                     out[t + j, n0:n0 + lanes] = acc[j, :lanes]
             if T % 4 >= 2:  # then a pair
                 t = T - T % 4
-                tile_dots(q[i], xq, t, xd, xsum, d[i], m[i], acc, bits, isa, term, 2)
+                tile_dots(q[i], xq, t, xd, xsum, d[i], m[i], acc, bits, isa, term, 2, G)
                 out[t, n0:n0 + lanes] = acc[0, :lanes]
                 out[t + 1, n0:n0 + lanes] = acc[1, :lanes]
             if T % 2:  # then one
-                tile_dots(q[i], xq, T - 1, xd, xsum, d[i], m[i], acc, bits, isa, term, 1)
+                tile_dots(q[i], xq, T - 1, xd, xsum, d[i], m[i], acc, bits, isa, term, 1, G)
+                out[T - 1, n0:n0 + lanes] = acc[0, :lanes]
+
+    return kernel
+
+
+def _wide_kernel(bits: int, isa: int, term: int):
+    """`_register_kernel` with WIDE_ROWS rows a vector: tokens in eights per weight load, then
+    four, a pair, one."""
+    R, W = TILE_ROWS, WIDE_ROWS
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def kernel(xq, xd, xsum, q, d, m, out):
+        T = xq.shape[0]
+        N = out.shape[1]
+        accs = np.empty((q.shape[0], 8, R), dtype=np.float32)  # one allocation per call
+        for i in prange(q.shape[0]):
+            acc = accs[i]
+            n0 = i * R
+            lanes = min(R, N - n0)
+            for t in range(0, T - 7, 8):  # eight tokens per weight load
+                tile_dots(q[i], xq, t, xd, xsum, d[i], m[i], acc, bits, isa, term, 8, W)
+                for j in range(8):
+                    out[t + j, n0:n0 + lanes] = acc[j, :lanes]
+            if T % 8 >= 4:  # then four
+                t = T - T % 8
+                tile_dots(q[i], xq, t, xd, xsum, d[i], m[i], acc, bits, isa, term, 4, W)
+                for j in range(4):
+                    out[t + j, n0:n0 + lanes] = acc[j, :lanes]
+            if T % 4 >= 2:  # then a pair
+                t = T - T % 4
+                tile_dots(q[i], xq, t, xd, xsum, d[i], m[i], acc, bits, isa, term, 2, W)
+                out[t, n0:n0 + lanes] = acc[0, :lanes]
+                out[t + 1, n0:n0 + lanes] = acc[1, :lanes]
+            if T % 2:  # then one
+                tile_dots(q[i], xq, T - 1, xd, xsum, d[i], m[i], acc, bits, isa, term, 1, W)
                 out[T - 1, n0:n0 + lanes] = acc[0, :lanes]
 
     return kernel

@@ -177,9 +177,10 @@ def dot16x2(typingctx, w, wo, s, so, x, xo, out, oo, u, uo, out_u, isa):
     return types.void(w, wo, s, so, x, xo, out, oo, u, uo, out_u, isa), _dot16_codegen(2)
 
 
-def _group_load(context, builder, sig, args, b, g, isa):
+def _group_load(context, builder, sig, args, b, g, isa, rows):
     """int8.PassWeights.load for SUB16: group g's block b, its weights (int8 block tiles at
-    tile_dots' q) and its two halves' scales (scale tiles at tile_dots' m), |w| once."""
+    tile_dots' q) and its two halves' scales (scale tiles at tile_dots' m), |w| once (rows:
+    GROUP, the one its entry takes)."""
     intp = context.get_value_type(types.intp)
     R = TILE_ROWS
     wo = builder.add(builder.mul(b, ir.Constant(intp, R * QK)), ir.Constant(intp, g * GROUP * QK))
