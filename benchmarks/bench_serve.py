@@ -68,22 +68,27 @@ def start_server(model: str | None, max_active: int,
 
 
 def stream_one(url: str, prompt: str, tokens: int, start: threading.Barrier) -> dict:
-    """One greedy stream: request start, arrival time of every streamed line, token count."""
+    """One greedy stream: request start, arrival time of every streamed line, token count.
+    The client (an httpx.Client, as the official clients hold one) is made before the start:
+    making one costs ~20 ms of CPU (its TLS context), which is the client's, not the
+    server's, and would land on the server's cores here, N at once."""
     body = {"model": "bench", "prompt": prompt, "raw": True, "stream": True,
             "options": {"num_predict": tokens, "temperature": 0}}
-    start.wait()
-    t0, arrivals, count = time.perf_counter(), [], 0
-    with httpx.stream("POST", url + "/api/generate", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            msg = json.loads(line)
-            if msg.get("error"):
-                raise RuntimeError(msg["error"])
-            if msg.get("done"):
-                count = msg["eval_count"]
-            elif msg.get("response"):
-                arrivals.append(time.perf_counter())
-    return {"t0": t0, "arrivals": arrivals, "tokens": count, "end": time.perf_counter()}
+    with httpx.Client(timeout=600) as client:
+        start.wait()
+        t0, arrivals, count = time.perf_counter(), [], 0
+        with client.stream("POST", url + "/api/generate", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                msg = json.loads(line)
+                if msg.get("error"):
+                    raise RuntimeError(msg["error"])
+                if msg.get("done"):
+                    count = msg["eval_count"]
+                elif msg.get("response"):
+                    arrivals.append(time.perf_counter())
+        end = time.perf_counter()
+    return {"t0": t0, "arrivals": arrivals, "tokens": count, "end": end}
 
 
 def run_clients(url: str, n: int, tokens: int) -> dict:
