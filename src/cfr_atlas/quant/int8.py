@@ -897,7 +897,7 @@ def tile_kernel(bits: int, term: int, isa: int = ISA, in_registers: bool | None 
     instructions (ISA: the best the target has; PORTABLE builds on any machine; the tests
     compare every one the machine runs, both ways). rows (None: `pass_rows`) is the register
     kernel's weight rows a vector: GROUP, or WIDE_ROWS (VNNI_DOT on a target with AVX-512 BW:
-    tokens in eights, then four, a pair, one).
+    tokens in eights, then four; a last pair or token 8 rows a vector).
     The kernel's closure holds plain values only (numba's disk cache keys a closure by its
     pickled cells, and an intrinsic or dispatcher object pickles differently in every process,
     so a closure over one was compiled anew by every process: ~3 s of each int8 start)."""
@@ -945,8 +945,10 @@ def _register_kernel(bits: int, isa: int, term: int, rows: int | None = None):
 
 def _wide_kernel(bits: int, isa: int, term: int):
     """`_register_kernel` with WIDE_ROWS rows a vector: tokens in eights per weight load, then
-    four, a pair, one."""
-    R, W = TILE_ROWS, WIDE_ROWS
+    four; a last pair or token takes GROUP rows a vector (joining two groups' vectors cost
+    more than it saved for so few tokens: Q8_0's 49,152 x 576 head from memory, two tokens,
+    1.09-1.13x the time of 8-row vectors)."""
+    R, W, G = TILE_ROWS, WIDE_ROWS, GROUP
 
     @njit(parallel=True, cache=True, nogil=True)
     def kernel(xq, xd, xsum, q, d, m, out):
@@ -968,11 +970,11 @@ def _wide_kernel(bits: int, isa: int, term: int):
                     out[t + j, n0:n0 + lanes] = acc[j, :lanes]
             if T % 4 >= 2:  # then a pair
                 t = T - T % 4
-                tile_dots(q[i], xq, t, xd, xsum, d[i], m[i], acc, bits, isa, term, 2, W)
+                tile_dots(q[i], xq, t, xd, xsum, d[i], m[i], acc, bits, isa, term, 2, G)
                 out[t, n0:n0 + lanes] = acc[0, :lanes]
                 out[t + 1, n0:n0 + lanes] = acc[1, :lanes]
             if T % 2:  # then one
-                tile_dots(q[i], xq, T - 1, xd, xsum, d[i], m[i], acc, bits, isa, term, 1, W)
+                tile_dots(q[i], xq, T - 1, xd, xsum, d[i], m[i], acc, bits, isa, term, 1, G)
                 out[T - 1, n0:n0 + lanes] = acc[0, :lanes]
 
     return kernel
