@@ -539,3 +539,31 @@ def test_activation_blocks_as_vectors_are_the_plain_loops():
         for a, b, c in zip(*outs, strict=True):
             np.testing.assert_array_equal(a, b)
             np.testing.assert_array_equal(a, c)
+
+
+def test_transient_quantization_is_quantize_in_reused_buffers():
+    """`quantize_transient` gives `quantize`'s bits, into buffers the calling thread reuses for
+    the next call of the same shape (another shape, or another thread, gets its own), so the
+    integer products quantize without allocating; the shapes kept stay bounded."""
+    import threading
+
+    x = _x(3, 64, seed=4)
+    first = int8.quantize_transient(x)
+    for got, want in zip(first, int8.quantize(x), strict=True):
+        assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=True)
+    y = _x(3, 64, seed=5)
+    again = int8.quantize_transient(y)
+    assert all(a is b for a, b in zip(first, again, strict=True))  # the same buffers, refilled
+    for got, want in zip(again, int8.quantize(y), strict=True):
+        assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=True)
+    other = int8.quantize_transient(_x(2, 64, seed=6))
+    assert other[0] is not first[0] and other[0].shape == (2, 64)
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(int8.quantize_transient(y)))
+    t.start()
+    t.join()
+    assert seen[0][0] is not first[0]  # another thread's own buffers
+    assert np.array_equal(seen[0][0], first[0])
+    for rows in range(1, 2 * int8.SCRATCH_SHAPES + 2):
+        int8.quantize_transient(_x(rows, 32, seed=rows))
+    assert len(int8._scratch.bufs) <= int8.SCRATCH_SHAPES

@@ -108,7 +108,7 @@ def _unpack_rows(offset: Offset, width: Width, tiles: IntTiles, ids: np.ndarray 
 
 
 def _matmul(has_m: bool, width: Width, x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
-    xq, xd, xsum = int8.quantize(x)
+    xq, xd, xsum = int8.quantize_transient(x)
     _KERNELS[has_m, width](xq, xd, xsum, tiles.q, tiles.d, tiles.m if has_m else tiles.d, out)
 
 

@@ -306,7 +306,7 @@ def _unpack_rows(tiles: IntTiles, ids: np.ndarray | slice,
 
 
 def _matmul(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
-    xq, xd, xsum = int8.quantize(x)
+    xq, xd, xsum = int8.quantize_transient(x)
     KERNEL(xq, xd, xsum, tiles.q, tiles.d, tiles.s, out)
 
 

@@ -87,7 +87,7 @@ _int_kernel = int8.tile_kernel(bits=4, term=int8.OFFSET8)
 
 def int_matmul(x: np.ndarray, tiles: IntTiles, out: np.ndarray) -> None:
     """out (T, N) = x (T, K) @ W.T on the integer path; inputs already checked."""
-    xq, xd, xsum = int8.quantize(x)
+    xq, xd, xsum = int8.quantize_transient(x)
     _int_kernel(xq, xd, xsum, tiles.q, tiles.d, tiles.d, out)
 
 
