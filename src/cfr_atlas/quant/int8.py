@@ -67,10 +67,11 @@ compiled loop over the blocks (`tile_dots`) whose float32 sums stay in registers
 block dots are stored as int32 and their terms added into sums in memory. With AVX-512 BW as
 well (`WIDE`), a register pass of four or eight tokens joins two 8-row groups' chunk vectors
 into one 512-bit vector, 16 rows a vpdpbusd and a term (`_group_chunks`, `WIDE_ROWS`): the
-same operations per row, so the same bits, with half the broadcasts and term instructions. int8_fields.py
-builds the sub-block formats of 32 on it. int8_sub16.py (Q6_K, Q3_K: two scaled sub-blocks of
-16 per block) has a dot of its own, made of this module's IR pieces, and the SCALE term: its
-memory kernel is its own, its register kernel this module's (`PASS_WEIGHTS`).
+same operations per row, so the same bits, with half the broadcasts and term instructions.
+int8_fields.py builds the sub-block formats of 32 on it. int8_sub16.py (Q6_K, Q3_K: two
+scaled sub-blocks of 16 per block) has a dot of its own, made of this module's IR pieces, and
+the SCALE term: its memory kernel is its own, its register kernel this module's
+(`PASS_WEIGHTS`, 8 rows a vector).
 
 Not here: the repacks and NumPy twins (the format modules), shape checks (weight.py).
 """
