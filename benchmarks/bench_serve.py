@@ -74,7 +74,12 @@ def stream_one(url: str, prompt: str, tokens: int, start: threading.Barrier) -> 
     server's, and would land on the server's cores here, N at once."""
     body = {"model": "bench", "prompt": prompt, "raw": True, "stream": True,
             "options": {"num_predict": tokens, "temperature": 0}}
-    with httpx.Client(timeout=600) as client:
+    try:
+        client = httpx.Client(timeout=600)
+    except BaseException:
+        start.abort()  # the other clients' waits raise instead of waiting forever
+        raise
+    with client:
         start.wait()
         t0, arrivals, count = time.perf_counter(), [], 0
         with client.stream("POST", url + "/api/generate", json=body) as r:

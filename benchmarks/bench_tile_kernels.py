@@ -2,6 +2,7 @@
 
     python benchmarks/bench_tile_kernels.py [--formats Q4_0,Q8_0,Q4_1,Q6_K]
         [--shapes 65536x1536,1536x1536] [--tokens 1,2,4,8,64,512] [--pairs 11] [--isa best]
+        [--rows 8|16]
 
 For each format, matrix shape and token count, one process builds both kernels of
 `int8.tile_kernel` (in_registers=True and False, the same instruction set) on the same
@@ -12,7 +13,9 @@ of the pairs' ratios registers / memory (< 1: the register kernel is faster), so
 machine's minute cancels. A matrix larger than the last-level cache (65,536 x 1,536) streams
 its weights from memory on every call; a small one (1,536 x 1,536) stays in cache.
 --isa picks the dots: best (int8.ISA), avx2, vnni or portable; the default build of a
-machine (`int8.registers_for`) is printed. Holds no assertions beyond the bitwise check;
+machine (`int8.registers_for`) is printed. --rows picks the register kernel's weight rows a
+vector (default: the machine's, `int8.pass_rows`: 16 where int8.WIDE, so `--rows 8` times the
+8-row register kernel there). Holds no assertions beyond the bitwise check;
 tests/quant checks correctness.
 """
 
@@ -35,12 +38,14 @@ TERMS = {QType.Q4_0: (4, int8.OFFSET8), QType.Q4_1: (4, int8.MIN), QType.Q8_0: (
 SUB16 = (QType.Q6_K, QType.Q3_K)
 
 
-def kernels(qtype: QType, isa: int) -> tuple:
-    """(memory kernel, register kernel) of qtype's integer path."""
+def kernels(qtype: QType, isa: int, rows: int | None = None) -> tuple:
+    """(memory kernel, register kernel) of qtype's integer path; rows: the register kernel's
+    weight rows a vector (None: the machine's default, `int8.pass_rows`; Q6_K / Q3_K take 8)."""
     if qtype in SUB16:
         return tuple(int8_sub16.tile_kernel(isa=isa, in_registers=r) for r in (False, True))
     bits, term = TERMS[qtype]
-    return tuple(int8.tile_kernel(bits, term, isa=isa, in_registers=r) for r in (False, True))
+    return (int8.tile_kernel(bits, term, isa=isa, in_registers=False),
+            int8.tile_kernel(bits, term, isa=isa, in_registers=True, rows=rows))
 
 
 def arguments(qtype: QType, tiles) -> tuple:
@@ -51,8 +56,8 @@ def arguments(qtype: QType, tiles) -> tuple:
 
 
 def row(qtype: QType, n: int, k: int, tokens: int, isa: int, pairs: int,
-        rng: np.random.Generator, weight) -> dict:
-    memory, registers = kernels(qtype, isa)
+        rng: np.random.Generator, weight, rows: int | None = None) -> dict:
+    memory, registers = kernels(qtype, isa, rows)
     q, d, m = arguments(qtype, weight.tiles)
     xq, xd, xsum = int8.quantize(rng.standard_normal((tokens, k)).astype(np.float32))
     a, b = (np.empty((tokens, n), dtype=np.float32) for _ in range(2))
@@ -95,6 +100,9 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", type=int, default=11, help="alternating pairs (default: 11)")
     p.add_argument("--isa", default="best", choices=list(ISAS))
     p.add_argument("--threads", type=int, default=numba.get_num_threads())
+    p.add_argument("--rows", type=int, choices=(int8.GROUP, int8.WIDE_ROWS), default=None,
+                   help="the register kernel's weight rows a vector (default: the machine's; "
+                        "16 needs AVX-512 BW and VNNI)")
     args = p.parse_args(argv)
     try:
         formats = [QType[f] for f in args.formats.split(",")]
@@ -108,14 +116,19 @@ def main(argv=None) -> int:
         isa = ISAS[args.isa]
         if isa not in int8.ISAS:
             raise ValueError(f"--isa {args.isa} does not run on this machine")
+        if args.rows == int8.WIDE_ROWS and not (int8.WIDE and isa == int8.VNNI_DOT):
+            raise ValueError("--rows 16 needs vnni dots on a target with AVX-512 BW")
     except (KeyError, ValueError) as exc:
         print(f"bench_tile_kernels: bad argument ({exc}): formats from Q4_0, Q4_1, Q8_0, Q6_K, "
               "Q3_K; shapes NxK with K a multiple of 256; tokens, pairs and threads >= 1",
               file=sys.stderr)
         return 2
     numba.set_num_threads(args.threads)
+    default = "registers" if int8.registers_for(int8.ISA) else "memory"
+    if int8.registers_for(int8.ISA):
+        default += f", {int8.pass_rows(4, int8.ISA)} rows a vector"
     print(f"tile kernels, {args.threads} threads, dots {args.isa}; this machine's default: "
-          f"{'registers' if int8.registers_for(int8.ISA) else 'memory'}")
+          f"{default}; register kernel timed: {args.rows or 'default'} rows a vector")
     print("| format | matrix | tokens | memory ms | registers ms | registers / memory "
           "(median of pairs) | pairs' range |")
     print("|---|---|---:|---:|---:|---:|---|")
@@ -124,7 +137,7 @@ def main(argv=None) -> int:
         for n, k in shapes:
             weight = random_weight(qtype, n, k, rng, arithmetic="int8")
             for t in tokens:
-                r = row(qtype, n, k, t, isa, args.pairs, rng, weight)
+                r = row(qtype, n, k, t, isa, args.pairs, rng, weight, args.rows)
                 print(f"| {r['format']} | {r['shape']} | {t} | {r['memory_ms']:.3f} | "
                       f"{r['registers_ms']:.3f} | {r['ratio']:.2f} | {r['low']:.2f}-"
                       f"{r['high']:.2f} |", flush=True)

@@ -288,7 +288,8 @@ def test_every_dot_and_kernel_gives_the_same_bits(bits, term):
     5-bit weight 31; int8 on vpdpbusd reads the stored bytes unsigned and takes 128 xsum off
     in the term, the others flip them back first. Token counts cover fours, a pair, one, and
     fours then a pair then one, and for the wide register kernel (16 rows a vector, where the
-    target has AVX-512 BW and VNNI) eights, then four, a pair and one in every combination."""
+    target has AVX-512 BW and VNNI) eights, then four, a pair and one in every combination
+    (8-15 tokens)."""
     rng = np.random.default_rng(11)
     n, k, unit = 70, 256, int8.UNIT[bits]
     q = rng.integers(0, 256, size=(n, k // 32 * unit)).astype(np.uint8)
@@ -301,7 +302,7 @@ def test_every_dot_and_kernel_gives_the_same_bits(bits, term):
                for isa in int8.ISAS for regs in (True, False)]
     if int8.WIDE:  # 16 rows a vector, tokens in eights
         kernels.append(int8.tile_kernel(bits, term, isa=int8.VNNI_DOT, rows=int8.WIDE_ROWS))
-    for t in (1, 2, 3, 4, 7, 8, 9, 12, 15, 30):
+    for t in (1, 2, 3, 4, 7, 8, 9, 10, 11, 12, 13, 14, 15, 30):
         xq, xd, xsum = int8.quantize(_x(t, k, seed=t))
         got = [np.empty((t, n), dtype=np.float32) for _ in kernels]
         for kernel, out in zip(kernels, got, strict=True):
@@ -335,12 +336,27 @@ def test_register_sums_with_vnni_on_32_vector_registers():
         assert int8.pass_rows(int8.SUB16, isa) == int8.GROUP
 
 
+def test_a_wide_kernel_is_refused_where_it_cannot_run():
+    """16 rows a vector need 512-bit vpdpbusd: asking for them off a WIDE target, or with
+    another ISA's dots, or for any other row count, is a ValueError when the kernel is built
+    (LLVM would abort the process compiling a 512-bit dot for a target without AVX-512)."""
+    for isa in int8.ISAS:
+        if not (int8.WIDE and isa == int8.VNNI_DOT):
+            with pytest.raises(ValueError, match="rows 16"):
+                int8.tile_kernel(4, int8.OFFSET8, isa=isa, in_registers=True,
+                                 rows=int8.WIDE_ROWS)
+    with pytest.raises(ValueError, match="rows 12"):
+        int8.tile_kernel(4, int8.OFFSET8, rows=12)
+
+
 @pytest.mark.parametrize("bits, term", [(8, int8.SCALE), (4, int8.OFFSET8), (4, int8.MIN),
                                         (5, int8.OFFSET16)])
 def test_float16_scales_are_their_float32_values(bits, term):
     """Scales and offsets kept as float16 bits (the block formats' own GGUF values) give
     bitwise the kernel's result with the same values widened to float32 up front, subnormal,
-    inf and NaN scales included: the term widens them exactly, before the same operations."""
+    inf and NaN scales included: the term widens them exactly, before the same operations.
+    15 tokens: a pass of eight, four, a pair and one (on a WIDE target the first two with 16
+    rows a vector, whose scales load 16 at a time)."""
     rng = np.random.default_rng(5)
     n, k, unit = 40, 128, int8.UNIT[bits]
     q = rng.integers(0, 256, size=(n, k // 32 * unit)).astype(np.uint8)
@@ -350,9 +366,9 @@ def test_float16_scales_are_their_float32_values(bits, term):
     m16[1, :2] = [np.float16(-6e-8), np.float16(-np.inf)]
     tiles = int8.to_block_tiles(q, unit)
     kernel = int8.tile_kernel(bits, term)
-    xq, xd, xsum = int8.quantize(_x(3, k, seed=2))
-    got = np.empty((3, n), dtype=np.float32)
-    want = np.empty((3, n), dtype=np.float32)
+    xq, xd, xsum = int8.quantize(_x(15, k, seed=2))
+    got = np.empty((15, n), dtype=np.float32)
+    want = np.empty((15, n), dtype=np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         kernel(xq, xd, xsum, tiles, to_tiles(d16.view(np.uint16)), to_tiles(m16.view(np.uint16)),
                got)

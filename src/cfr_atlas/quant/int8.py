@@ -292,7 +292,9 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 _scratch = threading.local()  # per thread: (T, K) -> the buffers `quantize_transient` reuses
-SCRATCH_SHAPES = 8  # shapes a thread keeps buffers for (a decode step's 1..8 rows, chunks)
+# shapes a thread keeps buffers for, the oldest dropped first (a step's rows, twice that for
+# the refined head, prompt chunks, the model's few K; an MoE step's expert row counts)
+SCRATCH_SHAPES = 16
 
 
 def quantize_transient(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -306,7 +308,7 @@ def quantize_transient(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     out = bufs.get(shape)
     if out is None:
         if len(bufs) >= SCRATCH_SHAPES:
-            bufs.clear()
+            del bufs[next(iter(bufs))]  # the oldest shape (a holder keeps its arrays)
         T, K = shape
         out = bufs[shape] = (np.empty((T, K), dtype=np.int8),
                              np.empty((T, K // QK), dtype=np.float32),
@@ -869,8 +871,8 @@ def tile_dots(typingctx, q, xq, t, xd, xsum, d, m, acc, bits, isa, term, tokens,
         return None
     weights = PASS_WEIGHTS[bits.literal_value]
     m_ok = m.dtype in weights.m_types
-    rows_ok = rows.literal_value in weights.rows and (
-        rows.literal_value == GROUP or isa.literal_value == VNNI_DOT)
+    rows_ok = rows.literal_value in weights.rows and (  # 512-bit dots: only on a WIDE target
+        rows.literal_value == GROUP or (WIDE and isa.literal_value == VNNI_DOT))
     if not literal_isa(isa) or xq.ndim != 2 or xq.dtype != types.int8 or not m_ok \
             or not rows_ok or xd.dtype != types.float32 or xsum.dtype != types.int32 \
             or acc.dtype != types.float32 or d.dtype not in _SCALE_TYPES:
@@ -933,6 +935,10 @@ def tile_kernel(bits: int, term: int, isa: int = ISA, in_registers: bool | None 
     so a closure over one was compiled anew by every process: ~3 s of each int8 start)."""
     bits, isa = int(bits), int(isa)
     term = int(term) | (FLIP if dot_offset(bits, isa) else 0)
+    if rows is not None and int(rows) != GROUP and not (
+            int(rows) == WIDE_ROWS and WIDE and isa == VNNI_DOT):
+        raise ValueError(f"rows {rows}: {GROUP}, or {WIDE_ROWS} with VNNI_DOT on a target "
+                         f"with AVX-512 BW and VNNI (int8.WIDE is {WIDE})")
     if registers_for(isa) if in_registers is None else in_registers:
         return _register_kernel(bits, isa, term, rows)
     return _memory_kernel(bits, isa, term)
@@ -984,7 +990,8 @@ def _wide_kernel(bits: int, isa: int, term: int):
     def kernel(xq, xd, xsum, q, d, m, out):
         T = xq.shape[0]
         N = out.shape[1]
-        accs = np.empty((q.shape[0], 8, R), dtype=np.float32)  # one allocation per call
+        # one allocation per call, as many token rows a tile as a pass takes
+        accs = np.empty((q.shape[0], 8 if T >= 8 else 4, R), dtype=np.float32)
         for i in prange(q.shape[0]):
             acc = accs[i]
             n0 = i * R
