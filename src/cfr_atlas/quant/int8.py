@@ -286,9 +286,13 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     xq = np.empty((T, K), dtype=np.int8)
     xd = np.empty((T, K // QK), dtype=np.float32)
     xsum = np.empty((T, K // QK), dtype=np.int32)
-    kernel = _quantize_rows_parallel if T * K >= PARALLEL_ELEMENTS else quantize_rows
-    kernel(x, xq, xd, xsum)
+    _quantize_into(x, xq, xd, xsum)
     return xq, xd, xsum
+
+
+def _quantize_into(x, xq, xd, xsum) -> None:
+    """`quantize`'s kernel, on both threads from PARALLEL_ELEMENTS elements."""
+    (_quantize_rows_parallel if x.size >= PARALLEL_ELEMENTS else quantize_rows)(x, xq, xd, xsum)
 
 
 _scratch = threading.local()  # per thread: (T, K) -> the buffers `quantize_transient` reuses
@@ -313,8 +317,7 @@ def quantize_transient(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
         out = bufs[shape] = (np.empty((T, K), dtype=np.int8),
                              np.empty((T, K // QK), dtype=np.float32),
                              np.empty((T, K // QK), dtype=np.int32))
-    kernel = _quantize_rows_parallel if x.size >= PARALLEL_ELEMENTS else quantize_rows
-    kernel(x, *out)
+    _quantize_into(x, *out)
     return out
 
 
@@ -944,6 +947,26 @@ def tile_kernel(bits: int, term: int, isa: int = ISA, in_registers: bool | None 
     return _memory_kernel(bits, isa, term)
 
 
+@njit(cache=True, inline="always")
+def _pass(q, xq, t, xd, xsum, d, m, acc, out, n0, lanes, bits, isa, term, tokens, rows):
+    """One register pass (`tile_dots`) of tokens t .. t + tokens - 1 over a tile, its outputs
+    copied to out's columns n0 .. n0 + lanes - 1 (inlined: bits .. rows stay literals)."""
+    tile_dots(q, xq, t, xd, xsum, d, m, acc, bits, isa, term, tokens, rows)
+    for j in range(tokens):
+        out[t + j, n0:n0 + lanes] = acc[j, :lanes]
+
+
+@njit(cache=True, inline="always")
+def _last_pair_and_one(q, xq, xd, xsum, d, m, acc, out, n0, lanes, bits, isa, term):
+    """A tile's last pair of tokens (T % 4 >= 2), then its last token (T odd), 8 rows a
+    vector, after the passes of four or eight."""
+    T = xq.shape[0]
+    if T % 4 >= 2:
+        _pass(q, xq, T - T % 4, xd, xsum, d, m, acc, out, n0, lanes, bits, isa, term, 2, GROUP)
+    if T % 2:
+        _pass(q, xq, T - 1, xd, xsum, d, m, acc, out, n0, lanes, bits, isa, term, 1, GROUP)
+
+
 def _register_kernel(bits: int, isa: int, term: int, rows: int | None = None):
     """`tile_kernel` with its sums in registers, `rows` weight rows a vector (None:
     `pass_rows`)."""
@@ -964,17 +987,10 @@ def _register_kernel(bits: int, isa: int, term: int, rows: int | None = None):
             n0 = i * R
             lanes = min(R, N - n0)
             for t in range(0, T - 3, 4):  # four tokens per weight load
-                tile_dots(q[i], xq, t, xd, xsum, d[i], m[i], acc, bits, isa, term, 4, G)
-                for j in range(4):
-                    out[t + j, n0:n0 + lanes] = acc[j, :lanes]
-            if T % 4 >= 2:  # then a pair
-                t = T - T % 4
-                tile_dots(q[i], xq, t, xd, xsum, d[i], m[i], acc, bits, isa, term, 2, G)
-                out[t, n0:n0 + lanes] = acc[0, :lanes]
-                out[t + 1, n0:n0 + lanes] = acc[1, :lanes]
-            if T % 2:  # then one
-                tile_dots(q[i], xq, T - 1, xd, xsum, d[i], m[i], acc, bits, isa, term, 1, G)
-                out[T - 1, n0:n0 + lanes] = acc[0, :lanes]
+                _pass(q[i], xq, t, xd, xsum, d[i], m[i], acc, out, n0, lanes, bits, isa, term,
+                      4, G)
+            _last_pair_and_one(q[i], xq, xd, xsum, d[i], m[i], acc, out, n0, lanes, bits, isa,
+                               term)
 
     return kernel
 
@@ -984,7 +1000,7 @@ def _wide_kernel(bits: int, isa: int, term: int):
     four; a last pair or token takes GROUP rows a vector (joining two groups' vectors cost
     more than it saved for so few tokens: Q8_0's 49,152 x 576 head from memory, two tokens,
     1.09-1.13x the time of 8-row vectors)."""
-    R, W, G = TILE_ROWS, WIDE_ROWS, GROUP
+    R, W = TILE_ROWS, WIDE_ROWS
 
     @njit(parallel=True, cache=True, nogil=True)
     def kernel(xq, xd, xsum, q, d, m, out):
@@ -997,22 +1013,13 @@ def _wide_kernel(bits: int, isa: int, term: int):
             n0 = i * R
             lanes = min(R, N - n0)
             for t in range(0, T - 7, 8):  # eight tokens per weight load
-                tile_dots(q[i], xq, t, xd, xsum, d[i], m[i], acc, bits, isa, term, 8, W)
-                for j in range(8):
-                    out[t + j, n0:n0 + lanes] = acc[j, :lanes]
+                _pass(q[i], xq, t, xd, xsum, d[i], m[i], acc, out, n0, lanes, bits, isa, term,
+                      8, W)
             if T % 8 >= 4:  # then four
-                t = T - T % 8
-                tile_dots(q[i], xq, t, xd, xsum, d[i], m[i], acc, bits, isa, term, 4, W)
-                for j in range(4):
-                    out[t + j, n0:n0 + lanes] = acc[j, :lanes]
-            if T % 4 >= 2:  # then a pair
-                t = T - T % 4
-                tile_dots(q[i], xq, t, xd, xsum, d[i], m[i], acc, bits, isa, term, 2, G)
-                out[t, n0:n0 + lanes] = acc[0, :lanes]
-                out[t + 1, n0:n0 + lanes] = acc[1, :lanes]
-            if T % 2:  # then one
-                tile_dots(q[i], xq, T - 1, xd, xsum, d[i], m[i], acc, bits, isa, term, 1, G)
-                out[T - 1, n0:n0 + lanes] = acc[0, :lanes]
+                _pass(q[i], xq, T - T % 8, xd, xsum, d[i], m[i], acc, out, n0, lanes, bits, isa,
+                      term, 4, W)
+            _last_pair_and_one(q[i], xq, xd, xsum, d[i], m[i], acc, out, n0, lanes, bits, isa,
+                               term)
 
     return kernel
 
