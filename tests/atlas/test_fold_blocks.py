@@ -24,8 +24,8 @@ _scores = njit(fold._score_blocks.py_func)
 
 
 @njit
-def _values(v, j0, n, p, acc, e0, fmt):
-    fold._value_blocks(v[:, e0:], j0, n, p, acc[:, e0:], fb.DIMS, fmt)
+def _values(v, j0, n, p, acc, e0, e_end, fmt):
+    fold._value_blocks(v[:, e0:], j0, n, p, acc[:, e0:], e_end, fmt)
 
 
 def _stored(rng, shape, dtype):
@@ -36,12 +36,14 @@ def _stored(rng, shape, dtype):
 @pytest.mark.parametrize("groups", [1, 2, 3, 4, 7])
 def test_score_blocks_are_the_plain_loop(dtype, groups):
     rng = np.random.default_rng(groups)
-    D, P = 64, 80
+    D, P = 64, 16 * fb.KEYS + 40
     k = _stored(rng, (D, P), dtype)  # a K^T page
     q_wide = rng.standard_normal((groups, 2 * D)).astype(np.float32)
     q = q_wide[:, ::2]  # strided query rows: the block reads q through its strides
     kw = widen(k, dtype)
-    for j0, n_blocks in ((0, 5), (3, 4), (17, 3), (64, 1), (5, 0)):
+    # block counts around score_width's passes (1-8 blocks a pass) and their remainders
+    for j0, n_blocks in ((0, 5), (3, 4), (17, 3), (64, 1), (5, 0), (0, 16), (1, 15), (7, 12),
+                         (40, 9), (2, 8), (0, 7), (9, 6), (0, 2)):
         s = np.full((groups, P), -7.0, dtype=np.float32)
         _scores(k, j0, n_blocks, q, s, format_of(dtype))
         want = np.full((groups, P), -7.0, dtype=np.float32)
@@ -58,23 +60,27 @@ def test_score_blocks_are_the_plain_loop(dtype, groups):
 @pytest.mark.parametrize("groups", [1, 2, 3, 4, 7])
 def test_value_blocks_are_the_plain_loop(dtype, groups):
     rng = np.random.default_rng(10 + groups)
-    P, D = 50, 2 * fb.DIMS
+    P, D = 50, 4 * fb.DIMS
     v = _stored(rng, (P, D), dtype)  # a V page
     vw = widen(v, dtype)
     p_wide = rng.random((groups, 2 * P)).astype(np.float32)
     p = p_wide[:, 1::2]  # strided weights
-    for j0, n, e0 in ((0, P, 0), (7, 30, fb.DIMS), (3, 1, 0), (0, 0, fb.DIMS)):
+    # one block of DIMS dims, two (one 64-dim call on AVX-512), three (a 64-dim call and a
+    # 32-dim one), from several first dims
+    for j0, n, e0, dims in ((0, P, 0, 1), (7, 30, fb.DIMS, 1), (3, 1, 0, 1), (0, 0, fb.DIMS, 1),
+                            (0, P, 0, 2), (11, 37, fb.DIMS, 2), (2, 48, fb.DIMS, 3),
+                            (0, 1, 0, 4), (5, 45, 0, 3)):
         start = rng.standard_normal((groups, D)).astype(np.float32)
         acc = start.copy()
-        _values(v, j0, n, p, acc, e0, format_of(dtype))
+        _values(v, j0, n, p, acc, e0, dims * fb.DIMS, format_of(dtype))
         want = start.copy()
-        cols = slice(e0, e0 + fb.DIMS)
+        cols = slice(e0, e0 + dims * fb.DIMS)
         for g in range(groups):
             a = want[g, cols].copy()
             for j in range(n):  # keys in order
                 a = fb.fma32_numpy(p[g, j], vw[j0 + j, cols], a)
             want[g, cols] = a
-        assert np.array_equal(acc.view(np.uint32), want.view(np.uint32)), (j0, n, e0)
+        assert np.array_equal(acc.view(np.uint32), want.view(np.uint32)), (j0, n, e0, dims)
 
 
 def _fma_exact(a, b, c) -> np.float32:

@@ -79,6 +79,7 @@ from cfr_atlas.atlas.fold_blocks import (
     GROUPS,
     KEYS,
     VALUE_GROUPS,
+    WIDE_REGISTERS,
     fma32,
     max_run,
     score_block,
@@ -135,17 +136,29 @@ def _value_blocks(vf, j0, n, p, ag, e_end, fmt):
     """ag[g, e] += sum_j p[g, j] V(j0 + j, e) for dims e < e_end (a multiple of DIMS), every
     group, VALUE_GROUPS a call (fold_blocks.py)."""
     n_grp = ag.shape[0]
-    for e0 in range(0, e_end, DIMS):
+    e0 = 0
+    while e0 < e_end:
+        double = WIDE_REGISTERS and e0 + 2 * DIMS <= e_end  # 64 dims a call in 512-bit sums
         for g0 in range(0, n_grp, VALUE_GROUPS):
             left = min(n_grp - g0, VALUE_GROUPS)
-            if left >= 4:
-                values_block(vf, j0, n, p, g0, ag, e0, 4, fmt)
+            if double:
+                if left >= 4:
+                    values_block(vf, j0, n, p, g0, ag, e0, 4, fmt, 64)
+                elif left == 3:
+                    values_block(vf, j0, n, p, g0, ag, e0, 3, fmt, 64)
+                elif left == 2:
+                    values_block(vf, j0, n, p, g0, ag, e0, 2, fmt, 64)
+                else:
+                    values_block(vf, j0, n, p, g0, ag, e0, 1, fmt, 64)
+            elif left >= 4:
+                values_block(vf, j0, n, p, g0, ag, e0, 4, fmt, 32)
             elif left == 3:
-                values_block(vf, j0, n, p, g0, ag, e0, 3, fmt)
+                values_block(vf, j0, n, p, g0, ag, e0, 3, fmt, 32)
             elif left == 2:
-                values_block(vf, j0, n, p, g0, ag, e0, 2, fmt)
+                values_block(vf, j0, n, p, g0, ag, e0, 2, fmt, 32)
             else:
-                values_block(vf, j0, n, p, g0, ag, e0, 1, fmt)
+                values_block(vf, j0, n, p, g0, ag, e0, 1, fmt, 32)
+        e0 += 2 * DIMS if double else DIMS
 
 
 @njit(cache=True, inline="always")

@@ -11,14 +11,18 @@ tokens took 14.2 ms against 16.0, runs of the two builds alternating). Written a
 loops,
 numba keeps the running sums in memory: every product is a load, a multiply, an add and a
 store, and K's row is read once per group. Here the running sums stay in vector registers for
-a block of keys (scores: 16 keys of up to four groups, over all dims) or of dims (values: up
-to 32 dims of up to four groups, over all keys), and each stored row is loaded and widened
-once for every group. The operations on each output element are the same ones in the same
-order, so the result is bitwise the loops' (tests/atlas/test_fold_blocks.py holds them to the
-plain loops on every storage format); only the instruction count changes. One Zen 4 thread, a
-256-key, 64-dim float16 page of three groups: the score pass 1.4 us instead of 2.7 with the
-page in L2, the values pass 1.2 instead of 3.2; from memory, the score pass after
-`touch_rows` 2.6-2.8 us instead of 3.4-4.7, the values pass 2.0-2.2 instead of 2.9-3.3.
+blocks of keys (scores: `score_width(groups)` blocks of 16 keys side by side for up to four
+groups, over all dims) or of dims (values: 32 dims, or 64 in 512-bit vectors on AVX-512, of
+up to four groups, over all keys), and each stored row is loaded and widened once for every
+group. The operations on each output element are the same ones in the same order, so the
+result is bitwise the loops' (tests/atlas/test_fold_blocks.py holds them to the plain loops on
+every storage format); only the instruction count changes. One Zen 4 thread, a 256-key,
+64-dim float16 page of three groups, one block of keys a pass: the score pass 1.4 us instead
+of 2.7 with the page in L2, the values pass 1.2 instead of 3.2; from memory, the score pass
+after `touch_rows` 2.6-2.8 us instead of 3.4-4.7, the values pass 2.0-2.2 instead of 2.9-3.3.
+Session 48, a Xeon (AVX-512), the same page in L2: both passes 2.92 us with one block of keys
+a pass and 32-dim values, 1.98 with four blocks and 64 dims (score 1.38 -> 0.99 us); a
+256-query chunk's fold after 2,048 tokens 0.75x, a decode query's 0.86-0.90x.
 
 Also here, the page's other two passes, each vectorized in a fixed order: its largest score
 (`max_run`) and the float64 sum of its weights (`sum_run`); and `fma32`, the scalar fused
@@ -44,14 +48,27 @@ from numba.extending import intrinsic
 from cfr_atlas.atlas.storage import _TARGET_FEATURES, HAS_F16C
 
 KEYS = 16  # keys per score block (one 512-bit or two 256-bit vectors of float32)
-LANES = 8  # dims per vector in the values pass (256 bits of float32)
-DIMS = 32  # dims per values block: groups x DIMS / LANES running sums in registers
+DIMS = 32  # dims per values block (the unit of `_value_blocks`' dims; a call takes 1 or 2)
 GROUPS = 4  # at most this many query groups per call
 # AVX-512 has 32 vector registers: four groups' 16 running sums of the values pass fit beside
 # their weights; with AVX2's 16 a values call takes two groups (8 sums), so none spill. The
 # split changes no bit (each group's sums are its own).
 WIDE_REGISTERS = "+avx512f" in (_TARGET_FEATURES or "").split(",")
 VALUE_GROUPS = GROUPS if WIDE_REGISTERS else 2
+LANES = 16 if WIDE_REGISTERS else 8  # dims per vector of the values pass (a register's floats)
+# A running sum is a chain of fused multiply-adds, each waiting on the one before (4 cycles);
+# two FMA units need about 8 chains in flight. One score block of three groups (a GQA group of
+# 3 query heads) had 3: the score pass ran at 0.75 FMAs a cycle. A pass now takes up to
+# `score_width(groups)` blocks of keys side by side (their K^T loads shared by the groups),
+# and on AVX-512 the values pass takes 64 dims a call in 512-bit vectors. Each sum is still
+# the same fused multiply-adds in the same order: the same bits.
+SCORE_ACCS = 12 if WIDE_REGISTERS else 4  # running score vectors of KEYS lanes a pass, at most
+
+
+def score_width(groups: int) -> int:
+    """Blocks of KEYS keys a score pass of `groups` groups takes side by side: as many as keep
+    groups x blocks running sums (and the blocks' K^T vectors) in the registers."""
+    return max(1, min(8, SCORE_ACCS // groups))
 
 F32, F64 = ir.FloatType(), ir.DoubleType()
 I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
@@ -225,6 +242,41 @@ def _elem(fmt_t):
     return F32 if isinstance(fmt_t, types.Float) else I16
 
 
+def _score_pass(builder, kp, k_row, k_col, d, qp, q_rows, q_col, sp, s_rows, j0, first,
+                n_pass, width, fmt_t):
+    """Passes c < n_pass of `width` blocks each, from block `first`: every group's running sums
+    of blocks first + c * width + b (b < width) over dims in order, stored to s."""
+    intp = k_row.type
+    vf = ir.VectorType(F32, KEYS)
+    n_groups = len(q_rows)
+    accs = [[cgutils.alloca_once(builder, vf) for _ in range(width)] for _ in range(n_groups)]
+    with cgutils.for_range(builder, n_pass, intp=intp) as pass_:
+        block0 = builder.add(first, builder.mul(pass_.index, _const(intp, width)))
+        for row in accs:
+            for a in row:
+                builder.store(ir.Constant(vf, [0.0] * KEYS), a)
+        col_offs = [builder.mul(builder.add(j0, builder.mul(builder.add(block0, _const(intp, b)),
+                                                            _const(intp, KEYS))), k_col)
+                    for b in range(width)]
+        with cgutils.for_range(builder, d, intp=intp) as dim:
+            e = dim.index
+            row_off = builder.mul(e, k_row)
+            kvs = [_widened(builder, _at(builder, kp, [row_off, col_offs[b]], _elem(fmt_t)),
+                            KEYS, fmt_t) for b in range(width)]
+            q_off = builder.mul(e, q_col)
+            for g, row in enumerate(accs):
+                qe = _splat(builder, builder.load(_at(builder, qp, [q_rows[g], q_off], F32)),
+                            KEYS)
+                for b, a in enumerate(row):
+                    builder.store(_mac(builder, builder.load(a), qe, kvs[b]), a)
+        for b in range(width):
+            out_col = builder.mul(builder.mul(builder.add(block0, _const(intp, b)),
+                                              _const(intp, KEYS)), _const(intp, 4))
+            for g, row in enumerate(accs):
+                builder.store(builder.load(row[b]), _at(builder, sp, [s_rows[g], out_col], vf),
+                              align=4)
+
+
 @intrinsic
 def score_block(typingctx, k, j0, n_blocks, q, g0, s, groups, fmt):
     """For blocks c < n_blocks, groups g < `groups` (a literal int, 1..GROUPS), lanes w < KEYS:
@@ -232,10 +284,12 @@ def score_block(typingctx, k, j0, n_blocks, q, g0, s, groups, fmt):
         s[g0 + g, c * KEYS + w] = sum_{e < D, in order} q[g0 + g, e] * K(e, j0 + c * KEYS + w)
 
     with K(e, j) = k[e, j] widened (k: a K^T page (D, P), rows contiguous), q (groups, D)
-    float32, s float32 with contiguous rows; each step one float32 fused multiply-add."""
+    float32, s float32 with contiguous rows; each step one float32 fused multiply-add. Blocks
+    run `score_width(groups)` a pass, then the rest one at a time."""
     if not (_literals(groups) and 1 <= groups.literal_value <= GROUPS):
         return None
     n_groups = groups.literal_value
+    width = score_width(n_groups)
 
     def codegen(context, builder, sig, args):
         k_v, j0_v, nb_v, q_v, g0_v, s_v = args[:6]
@@ -247,47 +301,40 @@ def score_block(typingctx, k, j0, n_blocks, q, g0, s, groups, fmt):
         j0_v, nb_v, g0_v = (context.cast(builder, v, t, types.intp)
                             for v, t in ((j0_v, sig.args[1]), (nb_v, sig.args[2]),
                                          (g0_v, sig.args[4])))
-        vf = ir.VectorType(F32, KEYS)
-        accs = [cgutils.alloca_once(builder, vf) for _ in range(n_groups)]
-        rows = [builder.mul(builder.add(g0_v, _const(intp, g)), q_row) for g in range(n_groups)]
-        with cgutils.for_range(builder, nb_v, intp=intp) as block:
-            for a in accs:
-                builder.store(ir.Constant(vf, [0.0] * KEYS), a)
-            col = builder.add(j0_v, builder.mul(block.index, _const(intp, KEYS)))
-            col_off = builder.mul(col, k_col)
-            with cgutils.for_range(builder, d, intp=intp) as dim:
-                e = dim.index
-                kv = _widened(builder, _at(builder, kp, [builder.mul(e, k_row), col_off],
-                                           _elem(fmt_t)), KEYS, fmt_t)
-                q_off = builder.mul(e, q_col)
-                for g, a in enumerate(accs):
-                    qe = builder.load(_at(builder, qp, [rows[g], q_off], F32))
-                    builder.store(_mac(builder, builder.load(a), _splat(builder, qe, KEYS), kv), a)
-            out_col = builder.mul(builder.mul(block.index, _const(intp, KEYS)), _const(intp, 4))
-            for g, a in enumerate(accs):
-                s_off = builder.mul(builder.add(g0_v, _const(intp, g)), s_row)
-                builder.store(builder.load(a), _at(builder, sp, [s_off, out_col], vf), align=4)
+        gs = [builder.add(g0_v, _const(intp, g)) for g in range(n_groups)]
+        q_rows = [builder.mul(g, q_row) for g in gs]
+        s_rows = [builder.mul(g, s_row) for g in gs]
+        common = (builder, kp, k_row, k_col, d, qp, q_rows, q_col, sp, s_rows, j0_v)
+        n_wide = builder.udiv(nb_v, _const(intp, width))
+        if width > 1:
+            _score_pass(*common, _const(intp, 0), n_wide, width, fmt_t)
+            done = builder.mul(n_wide, _const(intp, width))
+        else:
+            done = _const(intp, 0)
+        _score_pass(*common, done, builder.sub(nb_v, done), 1, fmt_t)
         return context.get_dummy_value()
 
     return types.void(k, j0, n_blocks, q, g0, s, groups, fmt), codegen
 
 
 @intrinsic
-def values_block(typingctx, v, j0, n, p, g0, acc, e0, groups, fmt):
-    """For groups g < `groups` (a literal int, 1..GROUPS) and dims e < DIMS:
+def values_block(typingctx, v, j0, n, p, g0, acc, e0, groups, fmt, dims):
+    """For groups g < `groups` (a literal int, 1..GROUPS) and dims e < `dims` (a literal
+    int, DIMS or 2 DIMS):
 
         acc[g0 + g, e0 + e] += sum_{j < n, in order} p[g0 + g, j] * V(j0 + j, e0 + e)
 
     with V(j, e) = v[j, e] widened (v: a V page (P, D), rows contiguous), p float32 (any
     strides), acc float32 with contiguous rows; each step one float32 fused multiply-add."""
-    if not (_literals(groups) and 1 <= groups.literal_value <= GROUPS):
+    if not (_literals(groups, dims) and 1 <= groups.literal_value <= GROUPS
+            and dims.literal_value in (DIMS, 2 * DIMS)):
         return None
     n_groups = groups.literal_value
-    n_vec = DIMS // LANES
+    n_vec = dims.literal_value // LANES
 
     def codegen(context, builder, sig, args):
         v_v, j0_v, n_v, p_v, g0_v, a_v, e0_v = args[:7]
-        fmt_t = sig.args[-1]
+        fmt_t = sig.args[8]
         vp, (v_row, v_col), _ = _array(context, builder, sig.args[0], v_v)
         pp, (p_row, p_col), _ = _array(context, builder, sig.args[3], p_v)
         ap, (a_row, _), _ = _array(context, builder, sig.args[5], a_v)
@@ -327,7 +374,7 @@ def values_block(typingctx, v, j0, n, p, g0, acc, e0, groups, fmt):
             builder.store(builder.load(a), acc_ptr(g, c), align=4)
         return context.get_dummy_value()
 
-    return types.void(v, j0, n, p, g0, acc, e0, groups, fmt), codegen
+    return types.void(v, j0, n, p, g0, acc, e0, groups, fmt, dims), codegen
 
 
 @intrinsic
