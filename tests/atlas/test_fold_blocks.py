@@ -54,6 +54,9 @@ def test_score_blocks_are_the_plain_loop(dtype, groups):
                 acc = fb.fma32_numpy(q[g, e], kw[e, j0:j0 + n], acc)
             want[g, :n] = acc
         assert np.array_equal(s.view(np.uint32), want.view(np.uint32)), (j0, n_blocks)
+    s = np.full((groups, P), -7.0, dtype=np.float32)
+    _scores(k, 0, -1, q, s, format_of(dtype))  # a negative count: nothing read or written
+    assert (s == -7.0).all()
 
 
 @pytest.mark.parametrize("dtype", list(StorageDtype), ids=lambda d: d.value)

@@ -59,7 +59,9 @@ Compile time: `_fold_item` and `_merge_item` are compiled functions of their own
 serial, parallel and all-hot kernels call, not inlined into each at numba's IR level (which
 compiled the work item anew in every caller: a storage format's first use cost ~40-80 s of
 compiling, then ~15-25 s; the register-blocked sums of fold_blocks.py, compiled for 1-4 groups
-each, add about 2 s: the serial kernel's first float16 call 11.4 s against 9.2 s, session 39).
+each, add about 2 s: the serial kernel's first float16 call 11.4 s against 9.2 s, session 39;
+session 48's score passes of several blocks and 64-dim values calls another ~1.6 s, 9.8 ->
+11.4 s on a Xeon).
 These kernels compile fold_blocks.py's and page_sum.py's code into theirs; numba alone would
 renew a cache entry only when its own file changes, so every kernel of the package is stamped
 with a digest of all its sources (jit_cache.py): an edit anywhere recompiles. Each kernel
@@ -134,31 +136,34 @@ def _score_blocks(kf, j0, n_blocks, qth, s, fmt):
 @njit(cache=True, inline="always")
 def _value_blocks(vf, j0, n, p, ag, e_end, fmt):
     """ag[g, e] += sum_j p[g, j] V(j0 + j, e) for dims e < e_end (a multiple of DIMS), every
-    group, VALUE_GROUPS a call (fold_blocks.py)."""
+    group, VALUE_GROUPS a call (fold_blocks.py): on AVX-512 64 dims a call while they fit,
+    then 32 (a global constant: the other branch is never compiled)."""
+    if WIDE_REGISTERS:
+        e0 = 0
+        while e0 + 2 * DIMS <= e_end:
+            _value_dims(vf, j0, n, p, ag, e0, fmt, 64)
+            e0 += 2 * DIMS
+        if e0 < e_end:
+            _value_dims(vf, j0, n, p, ag, e0, fmt, 32)
+    else:
+        for e0 in range(0, e_end, DIMS):
+            _value_dims(vf, j0, n, p, ag, e0, fmt, 32)
+
+
+@njit(cache=True, inline="always")
+def _value_dims(vf, j0, n, p, ag, e0, fmt, dims):
+    """`values_block` over dims e0 .. e0 + dims - 1 (dims a literal 32 or 64) of every group."""
     n_grp = ag.shape[0]
-    e0 = 0
-    while e0 < e_end:
-        double = WIDE_REGISTERS and e0 + 2 * DIMS <= e_end  # 64 dims a call in 512-bit sums
-        for g0 in range(0, n_grp, VALUE_GROUPS):
-            left = min(n_grp - g0, VALUE_GROUPS)
-            if double:
-                if left >= 4:
-                    values_block(vf, j0, n, p, g0, ag, e0, 4, fmt, 64)
-                elif left == 3:
-                    values_block(vf, j0, n, p, g0, ag, e0, 3, fmt, 64)
-                elif left == 2:
-                    values_block(vf, j0, n, p, g0, ag, e0, 2, fmt, 64)
-                else:
-                    values_block(vf, j0, n, p, g0, ag, e0, 1, fmt, 64)
-            elif left >= 4:
-                values_block(vf, j0, n, p, g0, ag, e0, 4, fmt, 32)
-            elif left == 3:
-                values_block(vf, j0, n, p, g0, ag, e0, 3, fmt, 32)
-            elif left == 2:
-                values_block(vf, j0, n, p, g0, ag, e0, 2, fmt, 32)
-            else:
-                values_block(vf, j0, n, p, g0, ag, e0, 1, fmt, 32)
-        e0 += 2 * DIMS if double else DIMS
+    for g0 in range(0, n_grp, VALUE_GROUPS):
+        left = min(n_grp - g0, VALUE_GROUPS)
+        if left >= 4:
+            values_block(vf, j0, n, p, g0, ag, e0, 4, fmt, dims)
+        elif left == 3:
+            values_block(vf, j0, n, p, g0, ag, e0, 3, fmt, dims)
+        elif left == 2:
+            values_block(vf, j0, n, p, g0, ag, e0, 2, fmt, dims)
+        else:
+            values_block(vf, j0, n, p, g0, ag, e0, 1, fmt, dims)
 
 
 @njit(cache=True, inline="always")

@@ -305,6 +305,8 @@ def score_block(typingctx, k, j0, n_blocks, q, g0, s, groups, fmt):
         q_rows = [builder.mul(g, q_row) for g in gs]
         s_rows = [builder.mul(g, s_row) for g in gs]
         common = (builder, kp, k_row, k_col, d, qp, q_rows, q_col, sp, s_rows, j0_v)
+        nb_v = builder.select(builder.icmp_signed(">", nb_v, _const(intp, 0)), nb_v,
+                              _const(intp, 0))  # no blocks (or fewer): nothing runs
         n_wide = builder.udiv(nb_v, _const(intp, width))
         if width > 1:
             _score_pass(*common, _const(intp, 0), n_wide, width, fmt_t)
