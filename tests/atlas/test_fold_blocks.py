@@ -16,6 +16,7 @@ from numba import njit
 from cfr_atlas.atlas import fold
 from cfr_atlas.atlas import fold_blocks as fb
 from cfr_atlas.atlas.storage import StorageDtype, _f16_soft, format_of, round_rows, widen
+from cfr_atlas.ops.activations import exp32, exp32_numpy
 
 # fold's own dispatchers (up to GROUPS score groups, VALUE_GROUPS value groups a call); the
 # test kernels are compiled without numba's disk cache, which would keep a stale entry after an
@@ -292,3 +293,36 @@ def test_a_last_partial_block_never_reads_into_the_result_what_lies_past_its_key
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
             assert np.array_equal(a.view(np.uint64), b.view(np.uint64))
+
+
+@njit
+def _exp_all(s, m, p):
+    done = fb.exp_run(s, m, p, s.size)
+    for j in range(done, s.size):
+        p[j] = exp32(s[j] - m)
+    return done
+
+
+def test_exp_run_is_exp32_lane_for_lane():
+    """The fold's vector weights against exp32's NumPy twin, bit for bit: random scores around
+    the running maximum, the clamps' edges (88, -87 and their neighbours), rint's ties, NaN,
+    infinities, signed zeros, subnormals; lengths that leave a scalar tail of every size."""
+    rng = np.random.default_rng(3)
+    edges = np.array([88.0, -87.0, np.nextafter(np.float32(88.0), np.float32(0)),
+                      np.nextafter(np.float32(-87.0), np.float32(0)), 88.5, -87.5, 0.0, -0.0,
+                      np.nan, np.inf, -np.inf, 1e-45, -1e-45, 0.3465736, -0.3465736,
+                      0.34657359 * 3, 1e30, -1e30], dtype=np.float32)
+    x = np.concatenate([edges, rng.standard_normal(300).astype(np.float32) * 30,
+                        -rng.random(300).astype(np.float32) * 100,
+                        np.log(2) * (rng.integers(-130, 130, 100) + 0.5)]).astype(np.float32)
+    for m in (np.float32(0.0), np.float32(2.5), np.float32(-80.0), np.float32(np.inf)):
+        for n in (0, 1, 15, 16, 17, 31, 32, 100, x.size):
+            s = x[:n].copy()
+            p = np.full(n, -7.0, dtype=np.float32)
+            done = _exp_all(s, m, p)
+            assert done == n - n % fb.KEYS
+            with np.errstate(invalid="ignore", over="ignore"):
+                want = exp32_numpy(s - m)
+            assert np.array_equal(p.view(np.uint32), want.view(np.uint32)), (m, n)
+    with pytest.raises(Exception, match="(?i)typ"):  # float64 lanes are not float32 ones
+        _exp_all(x.astype(np.float64), np.float32(0.0), np.zeros(x.size))

@@ -82,6 +82,7 @@ from cfr_atlas.atlas.fold_blocks import (
     KEYS,
     VALUE_GROUPS,
     WIDE_REGISTERS,
+    exp_run,
     fma32,
     max_run,
     score_block,
@@ -277,8 +278,8 @@ def _fold_item(w, q, qpos, slabs, walk, span, score, state, scratch):
             m_new = max(m_old, np.float64(max_run(sg, n)))
             corr = 0.0 if m_old == -np.inf else math.exp(m_old - m_new)
             m32, pg = np.float32(m_new), p[g]  # m_new is a score: a float32 value
-            for j in range(n):  # the weights, float32 (exp32: vectorized)
-                pg[j] = exp32(sg[j] - m32)
+            for j in range(exp_run(sg, m32, pg, n), n):  # the weights, float32 (exp32's
+                pg[j] = exp32(sg[j] - m32)  # bits: KEYS-lane vectors, then the rest)
             l[t, h, part, g] = l[t, h, part, g] * corr + sum_run(pg, n)
             m[t, h, part, g] = m_new
             for e in range(dv):

@@ -46,6 +46,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from cfr_atlas.atlas.storage import _TARGET_FEATURES, HAS_F16C
+from cfr_atlas.ops import activations as _act
 
 KEYS = 16  # keys per score block (one 512-bit or two 256-bit vectors of float32)
 DIMS = 32  # dims per values block (the unit of `_value_blocks`' dims; a call takes 1 or 2)
@@ -477,6 +478,63 @@ def sum_run(typingctx, p, n):
         return builder.load(total)
 
     return types.float64(p, n), codegen
+
+
+@intrinsic
+def exp_run(typingctx, s, m, p, n):
+    """p[j] = exp32(s[j] - m) for j < n - n % KEYS, KEYS lanes a vector (s, p float32 with
+    unit stride, m float32) -> the count done; the caller computes the rest with `exp32`.
+    Every lane runs `ops.activations.exp32`'s operations in its order (the same clamps,
+    float32 multiplies and adds, never fused; rint; 2^n on the exponent bits; the same
+    selects for x > 88, x < -87 and NaN), so each weight is exp32's bits: LLVM vectorized the
+    plain loop in 256-bit vectors here, half the lanes of an AVX-512 register."""
+    if not all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 1
+               for a in (s, p)):
+        return None  # the IR reads and writes float32 lanes: nothing else may type
+
+    def codegen(context, builder, sig, args):
+        sp, _, _ = _array(context, builder, sig.args[0], args[0])
+        pp, _, _ = _array(context, builder, sig.args[2], args[2])
+        m_v = context.cast(builder, args[1], sig.args[1], types.float32)
+        n_v = context.cast(builder, args[3], sig.args[3], types.intp)
+        intp = n_v.type
+        vf = ir.VectorType(F32, KEYS)
+        vi = ir.VectorType(I32, KEYS)
+
+        def c(x):
+            return ir.Constant(vf, [float(x)] * KEYS)
+
+        def rint(v):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf]),
+                                                f"llvm.rint.v{KEYS}f32")
+            return builder.call(fn, [v])
+
+        n_vec = builder.udiv(n_v, _const(intp, KEYS))
+        m_s = _splat(builder, m_v, KEYS)
+        with cgutils.for_range(builder, n_vec, intp=intp) as it:
+            off = builder.mul(it.index, _const(intp, KEYS * 4))
+            x = builder.fsub(builder.load(_at(builder, sp, [off], vf), align=4), m_s)
+            xc = builder.select(builder.fcmp_ordered(">", x, c(_act._EXP_HI)), c(_act._EXP_HI), x)
+            xc = builder.select(builder.fcmp_ordered("<", xc, c(_act._EXP_LO)), c(_act._EXP_LO),
+                                xc)
+            fn = rint(builder.fmul(xc, c(_act._LOG2E)))
+            r = builder.fsub(builder.fsub(xc, builder.fmul(fn, c(_act._LN2_HI))),
+                             builder.fmul(fn, c(_act._LN2_LO)))
+            poly = c(_act._EXP_P[0])
+            for coef in _act._EXP_P[1:]:
+                poly = builder.fadd(builder.fmul(poly, r), c(coef))
+            y = builder.fadd(builder.fadd(builder.fmul(poly, builder.fmul(r, r)), r), c(1.0))
+            ni = builder.fptosi(builder.select(builder.fcmp_ordered("==", fn, fn), fn, c(0.0)),
+                                vi)
+            two_n = builder.bitcast(builder.shl(builder.add(ni, ir.Constant(vi, [127] * KEYS)),
+                                                ir.Constant(vi, [23] * KEYS)), vf)
+            y = builder.fmul(y, two_n)
+            y = builder.select(builder.fcmp_ordered(">", x, c(_act._EXP_HI)), c(np.inf), y)
+            y = builder.select(builder.fcmp_ordered("<", x, c(_act._EXP_LO)), c(0.0), y)
+            builder.store(y, _at(builder, pp, [off], vf), align=4)
+        return builder.mul(n_vec, _const(intp, KEYS))
+
+    return types.intp(s, m, p, n), codegen
 
 
 def sum_run_numpy(p: np.ndarray, n: int) -> float:
