@@ -326,3 +326,5 @@ def test_exp_run_is_exp32_lane_for_lane():
             assert np.array_equal(p.view(np.uint32), want.view(np.uint32)), (m, n)
     with pytest.raises(Exception, match="(?i)typ"):  # float64 lanes are not float32 ones
         _exp_all(x.astype(np.float64), np.float32(0.0), np.zeros(x.size))
+    with pytest.raises(Exception, match="(?i)typ"):  # nor are strided ones
+        _exp_all(x[::2], np.float32(0.0), np.zeros(x[::2].size, dtype=np.float32))

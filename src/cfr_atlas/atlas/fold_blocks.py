@@ -489,8 +489,8 @@ def exp_run(typingctx, s, m, p, n):
     selects for x > 88, x < -87 and NaN), so each weight is exp32's bits: LLVM vectorized the
     plain loop in 256-bit vectors here, half the lanes of an AVX-512 register."""
     if not all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 1
-               for a in (s, p)):
-        return None  # the IR reads and writes float32 lanes: nothing else may type
+               and a.layout == "C" for a in (s, p)):
+        return None  # the IR reads and writes contiguous float32 lanes: nothing else types
 
     def codegen(context, builder, sig, args):
         sp, _, _ = _array(context, builder, sig.args[0], args[0])
