@@ -124,9 +124,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     numba.set_num_threads(args.threads)
-    default = "registers" if int8.registers_for(int8.ISA) else "memory"
-    if int8.registers_for(int8.ISA):
-        default += f", {int8.pass_rows(4, int8.ISA)} rows a vector"
+    default = (f"registers, {int8.pass_rows(4, int8.ISA)} rows a vector"
+               if int8.registers_for(int8.ISA) else "memory")
     print(f"tile kernels, {args.threads} threads, dots {args.isa}; this machine's default: "
           f"{default}; register kernel timed: {args.rows or 'default'} rows a vector")
     print("| format | matrix | tokens | memory ms | registers ms | registers / memory "

@@ -77,8 +77,8 @@ SUM_LANES = 8  # float64 running sums of `sum_run`, two vectors of them
 
 
 def _llvm(builder, name: str, args):
-    """Call the LLVM intrinsic `name` (llvm.fma, llvm.maxnum) on float32 scalars or vectors,
-    its type suffix taken from the first argument."""
+    """Call the LLVM intrinsic `name` (llvm.fma, llvm.maxnum, llvm.rint) on float32 scalars or
+    vectors, its type suffix taken from the first argument."""
     ty = args[0].type
     suffix = f"v{ty.count}f32" if isinstance(ty, ir.VectorType) else "f32"
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * len(args)),
@@ -504,11 +504,6 @@ def exp_run(typingctx, s, m, p, n):
         def c(x):
             return ir.Constant(vf, [float(x)] * KEYS)
 
-        def rint(v):
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf]),
-                                                f"llvm.rint.v{KEYS}f32")
-            return builder.call(fn, [v])
-
         n_vec = builder.udiv(n_v, _const(intp, KEYS))
         m_s = _splat(builder, m_v, KEYS)
         with cgutils.for_range(builder, n_vec, intp=intp) as it:
@@ -517,7 +512,7 @@ def exp_run(typingctx, s, m, p, n):
             xc = builder.select(builder.fcmp_ordered(">", x, c(_act._EXP_HI)), c(_act._EXP_HI), x)
             xc = builder.select(builder.fcmp_ordered("<", xc, c(_act._EXP_LO)), c(_act._EXP_LO),
                                 xc)
-            fn = rint(builder.fmul(xc, c(_act._LOG2E)))
+            fn = _llvm(builder, "llvm.rint", [builder.fmul(xc, c(_act._LOG2E))])
             r = builder.fsub(builder.fsub(xc, builder.fmul(fn, c(_act._LN2_HI))),
                              builder.fmul(fn, c(_act._LN2_LO)))
             poly = c(_act._EXP_P[0])
@@ -526,9 +521,7 @@ def exp_run(typingctx, s, m, p, n):
             y = builder.fadd(builder.fadd(builder.fmul(poly, builder.fmul(r, r)), r), c(1.0))
             ni = builder.fptosi(builder.select(builder.fcmp_ordered("==", fn, fn), fn, c(0.0)),
                                 vi)
-            two_n = builder.bitcast(builder.shl(builder.add(ni, ir.Constant(vi, [127] * KEYS)),
-                                                ir.Constant(vi, [23] * KEYS)), vf)
-            y = builder.fmul(y, two_n)
+            y = builder.fmul(y, _act.pow2_ir(builder, ni))
             y = builder.select(builder.fcmp_ordered(">", x, c(_act._EXP_HI)), c(np.inf), y)
             y = builder.select(builder.fcmp_ordered("<", x, c(_act._EXP_LO)), c(0.0), y)
             builder.store(y, _at(builder, pp, [off], vf), align=4)

@@ -51,9 +51,24 @@ _TANH_P = tuple(np.float32(c) for c in (-5.70498872745e-3, 2.06390887954e-2, -5.
                                         1.33314422036e-1, -3.33332819422e-1))
 
 
+def pow2_ir(builder, n):
+    """IR for 2.0 ** n as float32 from int32 n, a scalar or a vector of them, n in -126..127:
+    the exponent bits (n + 127) << 23 (`_pow2`, and exp32's vector twin in fold_blocks.py)."""
+    t = n.type
+    if isinstance(t, ir.VectorType):
+        def const(x):
+            return ir.Constant(t, [x] * t.count)
+        f32 = ir.VectorType(ir.FloatType(), t.count)
+    else:
+        def const(x):
+            return ir.Constant(t, x)
+        f32 = ir.FloatType()
+    return builder.bitcast(builder.shl(builder.add(n, const(127)), const(23)), f32)
+
+
 @intrinsic
 def _pow2(typingctx, n):
-    """2.0 ** n as float32 for an integer n in -126..127 (the exponent bits (n + 127) << 23)."""
+    """2.0 ** n as float32 for an integer n in -126..127 (`pow2_ir`)."""
     if not isinstance(n, types.Integer):
         return None
 
@@ -61,8 +76,7 @@ def _pow2(typingctx, n):
         i32 = ir.IntType(32)
         v = builder.trunc(args[0], i32) if n.bitwidth > 32 else builder.sext(args[0], i32) \
             if n.bitwidth < 32 else args[0]
-        bits = builder.shl(builder.add(v, ir.Constant(i32, 127)), ir.Constant(i32, 23))
-        return builder.bitcast(bits, ir.FloatType())
+        return pow2_ir(builder, v)
 
     return types.float32(n), codegen
 
